@@ -1,0 +1,24 @@
+"""LSEConfig: the one place engine options live. The CLI, the server and lse_open all fill this."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass
+class LSEConfig:
+    model: str | None = None          # HF directory or .gguf file; None means the default model
+    kv_len: int = 0                   # context length; 0 means min(model's trained context, 4096)
+    max_tokens: int = 0               # operator cap on a reply; 0 means no cap
+    temperature: float | None = None  # server-wide temperature default (reported as server_option)
+    pool: str | None = None           # "--pool" text, e.g. "opencl:0,jit:0"; None picks devices itself
+    disable_cpu_fallback: bool = False
+    parallel: int = 4                 # sequences decoded together in one batch (KV slots)
+    max_queue: int = 64               # requests waiting for a slot before new ones get 503
+    prefill_chunk: int = 512          # prompt tokens processed per engine step
+
+    @property
+    def cpu_fallback_refused(self) -> bool:
+        """The option, or the older LSE_REQUIRE_DEVICE_KERNELS=1 switch (never overridden by its absence)."""
+        return self.disable_cpu_fallback or os.environ.get("LSE_REQUIRE_DEVICE_KERNELS") == "1"

@@ -1,0 +1,88 @@
+"""The backend contract. A backend is a module registered under the entry-point group
+``lse.backends`` whose ``lse_backend`` hook returns a ``Backend``. Built-in backends
+(lse_backends.*) and third-party plugins register the same way.
+
+A backend lists its devices, each up or declined with a reason. An open ``Device`` compiles a
+fused group into a ``Kernel`` (or answers why it cannot, e.g. ``"no kernel for silu"``), moves
+arrays between the host and itself, and synchronizes. Weights are handed to ``compile`` and
+uploaded then, once. A kernel takes the group's input buffers (in ``group.inputs`` order, already
+on this device) and the host-side ``Step``, and returns its output buffers (``group.outputs``
+order) on this device.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pluggy
+
+from lse_core.graph.fuse import FusedGroup
+from lse_core.graph.ir import Step
+
+hookspec = pluggy.HookspecMarker("lse")
+hookimpl = pluggy.HookimplMarker("lse")
+
+Kernel = Callable[[Sequence[Any], Step], list[Any]]
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    backend: str                  # "opencl"
+    index: int                    # 0
+    kind: str                     # "gpu", "cpu" or "accelerator"
+    codegen: bool                 # has a device code generator for fused groups
+    description: str = ""         # e.g. "pthread-AMD EPYC (PoCL 5.0)"
+    declined: str | None = None   # why the device did not come up; None when it is up
+
+    @property
+    def name(self) -> str:
+        return f"{self.backend}:{self.index}"
+
+
+@dataclass(frozen=True)
+class CompileContext:
+    kv_slots: int      # sequences held at once (KV-cache slots)
+    kv_len: int        # positions per slot (the context length)
+    max_tokens: int    # most rows (tokens) in one step
+
+
+class Device(ABC):
+    info: DeviceInfo
+
+    @abstractmethod
+    def compile(self, group: FusedGroup, weights: Mapping[str, Any], ctx: CompileContext) -> Kernel | str:
+        """A kernel for the group, or the reason there is none (``"no kernel for silu"``)."""
+
+    @abstractmethod
+    def to_device(self, array: np.ndarray) -> Any: ...
+
+    @abstractmethod
+    def to_host(self, buffer: Any) -> np.ndarray: ...
+
+    def synchronize(self) -> None:
+        """Wait for queued work; kernels may run asynchronously until ``to_host``."""
+
+    def close(self) -> None:
+        """Release the device's memory."""
+
+
+class Backend(ABC):
+    name: str
+
+    @abstractmethod
+    def devices(self) -> list[DeviceInfo]:
+        """Every device this backend sees, up or declined; an unusable backend returns one
+        declined entry saying why (no driver, no GPU, library missing)."""
+
+    @abstractmethod
+    def open(self, index: int) -> Device: ...
+
+
+class BackendSpec:
+    @hookspec
+    def lse_backend(self) -> Backend:
+        """Return this plugin's backend."""

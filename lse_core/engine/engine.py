@@ -1,0 +1,97 @@
+"""The engine: owns the plan and the step loop thread; requests come in as sequences."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from lse_core.engine.runner import Runner, sampling_arrays
+from lse_core.engine.scheduler import Scheduler
+from lse_core.engine.sequence import Delta, SeqParams, Sequence
+from lse_core.errors import LSEError, server_error
+from lse_core.graph.ir import PENALTY_WINDOW, SAMPLING_OP_NEEDED
+from lse_core.graph.plan import Plan
+
+log = logging.getLogger("lse")
+
+
+class Engine:
+    def __init__(self, plan: Plan, tokenizer, n_slots: int, max_queue: int, prefill_chunk: int) -> None:
+        self.plan = plan
+        self.tokenizer = tokenizer
+        self.runner = Runner(plan)
+        self.scheduler = Scheduler(n_slots, max_queue, prefill_chunk)
+        self._cond = threading.Condition()
+        self._stopping = False
+        self.steps = 0
+        self._thread = threading.Thread(target=self._loop, name="lse-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, params: SeqParams, on_delta: Callable[[Sequence, Delta], None],
+               on_finish: Callable[[Sequence], None]) -> Sequence:
+        """Queue a sequence; raises LSEError (503 when the queue is full, 500 when it needs a
+        group that may not run because CPU fallback is refused)."""
+        refusal = self.plan.refusal(_sampling_ops(params))
+        if refusal is not None:
+            raise server_error(f"CPU fallback disabled: {refusal}")
+        seq = Sequence(params, on_delta, on_finish, self.tokenizer.decode_stream(), self.tokenizer.backend)
+        with self._cond:
+            if self._stopping:
+                raise server_error("the engine is closed", status=503)
+            self.scheduler.add(seq)
+            self._cond.notify()
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        seq.cancel()
+        with self._cond:
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopping = True
+            for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
+                seq.cancel()
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    @property
+    def load(self) -> dict[str, int]:
+        with self._cond:
+            return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                    "slots": self.scheduler.slots.n_free + len(self.scheduler.running),
+                    "free_slots": self.scheduler.slots.n_free}
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self.scheduler.has_work and not self._stopping:
+                    self._cond.wait()
+                if self._stopping and not self.scheduler.has_work:
+                    return
+                batch = self.scheduler.schedule()
+            if not batch:
+                continue
+            try:
+                self.runner.run(batch)
+            except Exception as e:   # a failed step fails its sequences; the engine stays up
+                error = e if isinstance(e, LSEError) else server_error(f"engine step failed: {e!r}")
+                if not isinstance(e, LSEError):
+                    log.exception("lse: engine step failed")
+                for seq, _ in batch:
+                    if not seq.finished:
+                        seq.fail(error)
+            self.steps += 1
+            with self._cond:
+                for seq, _ in batch:
+                    if seq.finished:
+                        self.scheduler.release(seq)
+
+
+def _sampling_ops(params: SeqParams) -> set[str]:
+    """The sampling ops this request's parameters need."""
+    one = sampling_arrays([params], np.full((1, PENALTY_WINDOW), -1, dtype=np.int32), np.zeros(1, np.float32))
+    return {op for op, needed in SAMPLING_OP_NEEDED.items() if needed(one)[0]}

@@ -1,0 +1,71 @@
+"""The model runner: turns a scheduled batch into a Step, runs the plan, hands sampled tokens back."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lse_core.engine.sequence import SeqParams, Sequence
+from lse_core.graph.ir import SamplingBatch, Step
+from lse_core.graph.plan import Plan
+
+
+class Runner:
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.serial = 0
+
+    def run(self, batch: list[tuple[Sequence, int]]) -> None:
+        seqs = [seq for seq, _ in batch]
+        counts = np.array([n for _, n in batch], dtype=np.int32)
+        starts = np.zeros(len(batch) + 1, dtype=np.int32)
+        np.cumsum(counts, out=starts[1:])
+        tokens = np.concatenate([np.asarray(s.tokens[s.computed: s.computed + n], dtype=np.int32)
+                                 for s, n in batch])
+        positions = np.concatenate([np.arange(s.computed, s.computed + n, dtype=np.int32) for s, n in batch])
+        self.serial += 1
+        step = Step(tokens=tokens, positions=positions,
+                    slots=np.array([s.slot for s in seqs], dtype=np.int32),
+                    query_starts=starts, sample_rows=starts[1:] - 1,
+                    sampling=sampling_batch(batch), serial=self.serial)
+        want_logits = any(s.params.top_logprobs is not None for s in seqs)
+        out = self.plan.run(step, want_logits=want_logits)
+        for cause, mask in out.fallbacks:
+            for seq in (s for s, hit in zip(seqs, mask) if hit):
+                seq.fallbacks[cause] = seq.fallbacks.get(cause, 0) + 1
+        for i, (seq, n) in enumerate(batch):
+            seq.computed += n
+            if seq.computed < len(seq.tokens):      # prefill continues next step
+                continue
+            token = int(out.next_tokens[i])
+            top = seq.params.top_logprobs
+            seq.append(token, token_logprobs(out.logits[i], token, top) if top is not None else None)
+
+
+def sampling_batch(batch: list[tuple[Sequence, int]]) -> SamplingBatch:
+    # A draw only for sequences sampled this step, so a seed gives the same reply however the
+    # prompt was chunked or batched.
+    uniform = [s.rng.random() if s.computed + n == len(s.tokens) else 0.0 for s, n in batch]
+    return sampling_arrays([s.params for s, _ in batch], np.stack([s.recent() for s, _ in batch]),
+                           np.array(uniform, dtype=np.float32))
+
+
+def sampling_arrays(p: list[SeqParams], recent: np.ndarray, uniform: np.ndarray) -> SamplingBatch:
+    return SamplingBatch(
+        temperature=np.array([x.temperature for x in p], dtype=np.float32),
+        top_k=np.array([x.top_k for x in p], dtype=np.int32),
+        top_p=np.array([x.top_p for x in p], dtype=np.float32),
+        min_p=np.array([x.min_p for x in p], dtype=np.float32),
+        repetition_penalty=np.array([x.repetition_penalty for x in p], dtype=np.float32),
+        presence_penalty=np.array([x.presence_penalty for x in p], dtype=np.float32),
+        recent=recent,
+        uniform=uniform,
+    )
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> dict:
+    """The model's log-probabilities (before sampling transforms) of the token and the ``top`` best."""
+    shifted = logits.astype(np.float64) - logits.max()
+    logp = shifted - np.log(np.exp(shifted).sum())
+    best = np.argsort(-logp, kind="stable")[:top] if top else np.empty(0, dtype=np.int64)
+    return {"token": token, "logprob": float(logp[token]),
+            "top": [(int(t), float(logp[t])) for t in best]}

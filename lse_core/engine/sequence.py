@@ -1,0 +1,167 @@
+"""One request's sequence: its tokens, sampling state, and the text it has produced so far
+(incremental detokenization, stop strings held back across token boundaries, reasoning split)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from lse_core.graph.ir import PENALTY_WINDOW
+
+
+class Splitter(Protocol):
+    def feed(self, text: str) -> tuple[str, str]: ...
+    def finish(self) -> tuple[str, str]: ...
+
+
+@dataclass
+class SeqParams:
+    """What the engine needs to run a request (filled by lse_core.api)."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    limit_reason: str                          # stop_reason when max_new_tokens is reached
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    eos_ids: tuple[int, ...] = ()
+    top_logprobs: int | None = None            # None: no logprobs; n >= 0: the token's and n top ones
+    splitter: Splitter | None = None
+
+
+@dataclass
+class Delta:
+    """What one step added to a sequence's reply."""
+
+    content: str = ""
+    reasoning: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Sequence:
+    def __init__(self, params: SeqParams, on_delta: Callable[[Sequence, Delta], None],
+                 on_finish: Callable[[Sequence], None], detokenizer: Any, vocab: Any) -> None:
+        self.params = params
+        self.on_delta = on_delta
+        self.on_finish = on_finish
+        self.output: list[int] = []
+        self.slot = -1
+        self.cached = 0            # prompt tokens whose K/V the slot already held
+        self.computed = 0          # tokens whose K/V are in the cache
+        self.cancelled = False
+        self.finish_reason: str | None = None   # "stop" or "length"
+        self.stop_reason: str | None = None     # the spec's stop_reason; set when the sequence ends
+        self.fallbacks: dict[str, int] = {}   # fallback cause -> steps of this sequence it ran in
+        self.error: Exception | None = None
+        self.rng = np.random.default_rng(params.seed)
+        self.t_submit = time.perf_counter()
+        self.t_admit = self.t_submit      # when it got a KV slot
+        self.t_first_token: float | None = None
+        self.t_end: float | None = None
+        self._detok = detokenizer
+        self._vocab = vocab
+        self._pending = ""         # decoded text not yet released (may be the start of a stop string)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.params.prompt + self.output
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.params.prompt)
+
+    @property
+    def finished(self) -> bool:
+        return self.stop_reason is not None
+
+    def recent(self) -> np.ndarray:
+        window = self.tokens[-PENALTY_WINDOW:]
+        out = np.full(PENALTY_WINDOW, -1, dtype=np.int32)
+        out[: len(window)] = window
+        return out
+
+    def append(self, token: int, logprobs: dict[str, Any] | None) -> None:
+        """Take a sampled token: end at eos, or release new text up to any stop string."""
+        if self.t_first_token is None:
+            self.t_first_token = time.perf_counter()
+        self.output.append(token)
+        delta = Delta(token_ids=[token], logprobs=[logprobs] if logprobs else [])
+        if token in self.params.eos_ids:
+            self._end(delta, "stop", "stop_token")
+            return
+        self._pending += self._detok.step(self._vocab, token) or ""
+        cut = _find_stop(self._pending, self.params.stop)
+        if cut is not None:
+            self._pending = self._pending[:cut]
+            self._end(delta, "stop", "stop_sequence")
+            return
+        if len(self.output) >= self.params.max_new_tokens:
+            self._end(delta, "length", self.params.limit_reason)
+            return
+        keep = len(self._pending) - _stop_prefix_len(self._pending, self.params.stop)
+        self._release(delta, self._pending[:keep])
+        self._pending = self._pending[keep:]
+        self.on_delta(self, delta)
+
+    def cancel(self) -> None:
+        """End at the next step boundary (client gone or request cancelled)."""
+        self.cancelled = True
+
+    def fail(self, error: Exception) -> None:
+        """End with an error (the API turns it into an error event)."""
+        self.error = error
+        self.stop_reason = "error"
+        self.t_end = time.perf_counter()
+        self.on_finish(self)
+
+    def end_cancelled(self) -> None:
+        self._end(Delta(), None, "cancelled")
+
+    def _release(self, delta: Delta, text: str) -> None:
+        if self.params.splitter is None:
+            delta.content += text
+        else:
+            reasoning, content = self.params.splitter.feed(text)
+            delta.reasoning += reasoning
+            delta.content += content
+
+    def _end(self, delta: Delta, finish_reason: str | None, stop_reason: str) -> None:
+        """Release what was held back (no stop string can follow any more) and finish."""
+        self._release(delta, self._pending)
+        self._pending = ""
+        if self.params.splitter is not None:
+            reasoning, content = self.params.splitter.finish()
+            delta.reasoning += reasoning
+            delta.content += content
+        self.finish_reason = finish_reason    # None when cancelled: the spec gives it no finish_reason
+        self.stop_reason = stop_reason
+        self.t_end = time.perf_counter()
+        if delta.content or delta.reasoning or delta.token_ids:
+            self.on_delta(self, delta)
+        self.on_finish(self)
+
+
+def _find_stop(text: str, stops: list[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best

@@ -1,0 +1,163 @@
+"""The op graph's IR: a small closed op set, nodes, and the Step every kernel reads.
+
+Activations are 2-D float32 arrays ``[T, width]``: T is every token of the step, the rows of all
+its sequences back to back (prefill chunks and single decode tokens alike). Per-token and
+per-sequence facts (positions, KV slots) come from the ``Step``, not from graph values, so one
+graph serves prefill and batched decode.
+
+Op semantics (every backend implements exactly these; the numpy interpreter is the reference):
+
+  embedding(; table)            out[t] = table[step.tokens[t]] * attrs.scale (scale may be 1.0)
+  rms_norm(x; weight)           per group of attrs.group columns: x / sqrt(mean(x^2) + attrs.eps) * weight
+                                (group == width for a whole row; == head_dim for per-head q/k norms;
+                                weight has attrs.group entries)
+  linear(x; weight[, bias])     x @ weight.T (+ bias); weight is [out, in], float32 or a QuantTensor
+  rope(x)                       rotates each attrs.head_dim slice of every row by its token's position,
+                                Hugging Face "rotate_half" layout, frequencies from rope_inv_freq(attrs)
+  attention(q, k, v)            writes k, v rows into the layer's KV cache at (slot, position), then each
+                                query row attends causally to its sequence's cached positions
+                                [max(0, p - attrs.window + 1), p] (window 0 = unlimited), softmax scaled by
+                                attrs.scale, grouped-query (head h reads kv head h // (n_heads // n_kv_heads))
+  silu(x), gelu(x)              elementwise; gelu is the tanh approximation
+  add(a, b), mul(a, b)          elementwise, same shapes
+  scale(x)                      x * attrs.factor
+  last_rows(x)                  x[step.sample_rows]: the rows whose logits are sampled -> [S, width]
+
+Sampling ops, on logits [S, vocab] (row i belongs to sequence i; parameters from step.sampling).
+A sequence whose parameter leaves an op off gets its row unchanged; a step runs only the sampling
+groups some sequence needs (see SAMPLING_OP_NEEDED), so a request's sampling choice decides which
+groups it runs:
+  penalize(logits)              repetition penalty (divide a positive logit of a token in
+                                sampling.recent, multiply a negative one), then subtract presence_penalty
+                                once from each distinct token in sampling.recent
+  temperature(logits)           divide the row by temperature (rows with temperature <= 0 unchanged)
+  top_k(logits)                 keep the top_k largest (ties at the k-th value kept), others -inf
+  top_p(logits)                 keep the smallest prefix of tokens by descending probability whose
+                                mass reaches top_p (always the top token), others -inf
+  min_p(logits)                 drop tokens whose probability is below min_p * the top probability
+  sample(logits) -> int32 [S]   temperature <= 0: argmax (lowest id on ties); otherwise the first token
+                                whose cumulative softmax probability, in token-id order, exceeds
+                                sampling.uniform[i] * total
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+ELEMENTWISE_OPS = frozenset({"silu", "gelu", "add", "mul", "scale"})
+MODEL_OPS = frozenset({"embedding", "rms_norm", "linear", "rope", "attention", "last_rows"}) | ELEMENTWISE_OPS
+SAMPLING_OPS = ("penalize", "temperature", "top_k", "top_p", "min_p", "sample")
+OPS = MODEL_OPS | frozenset(SAMPLING_OPS)
+
+# Which sequences need a sampling op: a function of the step's SamplingBatch -> bool[S].
+SAMPLING_OP_NEEDED = {
+    "penalize": lambda s: (s.repetition_penalty != 1.0) | (s.presence_penalty != 0.0),
+    "temperature": lambda s: (s.temperature > 0) & (s.temperature != 1.0),
+    "top_k": lambda s: (s.temperature > 0) & (s.top_k > 0),
+    "top_p": lambda s: (s.temperature > 0) & (s.top_p < 1.0),
+    "min_p": lambda s: (s.temperature > 0) & (s.min_p > 0.0),
+    "sample": lambda s: np.ones(len(s.temperature), dtype=bool),
+}
+
+PENALTY_WINDOW = 64  # presence and repetition penalties look at this many most recent tokens
+
+
+@dataclass(frozen=True)
+class Node:
+    op: str
+    inputs: tuple[str, ...]
+    output: str
+    params: tuple[str, ...] = ()          # weight names, in the order the op documents
+    attrs: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    layer: int = -1                       # the transformer layer, -1 outside the layers
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"unknown op {self.op!r}")
+
+
+@dataclass
+class Graph:
+    """A forward pass: nodes in execution order, reading ``weights`` by name. ``output`` is the
+    logits value; the sampling nodes that follow it consume it and produce ``next_tokens``."""
+
+    nodes: list[Node]
+    weights: dict[str, Any]
+    output: str = "logits"
+    n_layers: int = 0
+
+    def sampling_nodes(self) -> list[Node]:
+        return [n for n in self.nodes if n.op in SAMPLING_OPS]
+
+
+def append_sampling(graph: Graph) -> None:
+    """Add the sampling chain after the logits, in the spec's order."""
+    value = graph.output
+    for i, op in enumerate(SAMPLING_OPS):
+        out = "next_tokens" if op == "sample" else f"sampling.{i}.{op}"
+        graph.nodes.append(Node(op, (value,), out))
+        value = out
+
+
+@dataclass
+class SamplingBatch:
+    """Per-sequence sampling parameters of one step (row i = sequence i)."""
+
+    temperature: np.ndarray          # float32 [S]
+    top_k: np.ndarray                # int32 [S], 0 = off
+    top_p: np.ndarray                # float32 [S], 1 = off
+    min_p: np.ndarray                # float32 [S], 0 = off
+    repetition_penalty: np.ndarray   # float32 [S], 1 = off
+    presence_penalty: np.ndarray     # float32 [S], 0 = off
+    recent: np.ndarray               # int32 [S, PENALTY_WINDOW], the most recent tokens, -1 padded
+    uniform: np.ndarray              # float32 [S], this step's random draw in [0, 1) per sequence
+
+
+@dataclass
+class Step:
+    """One engine step: the tokens of every scheduled sequence and where they belong."""
+
+    tokens: np.ndarray        # int32 [T]
+    positions: np.ndarray     # int32 [T], each token's position in its sequence
+    slots: np.ndarray         # int32 [S], each sequence's KV-cache slot
+    query_starts: np.ndarray  # int32 [S + 1], sequence i's rows are query_starts[i]:query_starts[i + 1]
+    sample_rows: np.ndarray   # int32 [S], the row of each sequence whose logits are sampled
+    sampling: SamplingBatch | None = None
+    serial: int = 0           # increases every step; kernels may cache uploaded metadata by it
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def n_seqs(self) -> int:
+        return len(self.slots)
+
+
+def rope_inv_freq(attrs: dict[str, Any]) -> np.ndarray:
+    """Inverse frequencies for a rope node: base ``theta``, ``rotary_dim`` (default head_dim), and
+    Hugging Face's rope_scaling kinds ``linear`` and ``llama3``. One place, for every backend."""
+    head_dim = attrs["head_dim"]
+    rotary_dim = attrs.get("rotary_dim") or head_dim
+    theta = float(attrs["theta"])
+    inv = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
+    scaling = attrs.get("scaling") or {}
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "linear":
+        inv = inv / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = np.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope_scaling type {kind!r}")
+    return inv.astype(np.float32)

@@ -1,0 +1,149 @@
+"""Placement and execution: every fused group on a device of the pool, explicit copies between
+devices, the CPU interpreter only as the counted (or refused) fallback.
+
+Like ggml's backend scheduler: the pool is in priority order; several pool devices split the
+layers between them in order; a group goes to its layer's device if that device has a kernel,
+else to the first other pool device that has one, else to the CPU interpreter."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lse_core.devices.hookspec import CompileContext, Device, Kernel
+from lse_core.errors import server_error
+from lse_core.graph.fuse import FusedGroup, fuse
+from lse_core.graph.ir import SAMPLING_OP_NEEDED, Graph, Step
+
+
+@dataclass
+class Placement:
+    group: FusedGroup
+    device: Device | None          # None: no device may run it (fallback refused)
+    kernel: Kernel | None
+    fallback_cause: str | None     # set when the group runs on the CPU interpreter as a fallback
+
+    @property
+    def refused(self) -> bool:
+        return self.kernel is None
+
+
+@dataclass
+class StepOutput:
+    next_tokens: np.ndarray | None           # int32 [S], when the step had sampling parameters
+    logits: np.ndarray | None                # float32 [S, vocab], when asked for
+    fallbacks: list[tuple[str, np.ndarray]]  # (cause, bool[S] mask of the sequences that caused it)
+
+
+class Plan:
+    def __init__(self, placements: list[Placement], output: str, on_fallback: Callable[[str], None]) -> None:
+        self.placements = placements
+        self.output = output
+        self._on_fallback = on_fallback
+
+    @classmethod
+    def build(
+        cls,
+        graph: Graph,
+        pool: list[Device],
+        ctx: CompileContext,
+        fallback_device: Device | None = None,
+        allow_fallback: bool = True,
+        on_fallback: Callable[[str], None] = lambda cause: None,
+    ) -> Plan:
+        groups = fuse(graph)
+        placements = [_place(g, _preference(g, pool, graph.n_layers), graph, ctx, fallback_device, allow_fallback)
+                      for g in groups]
+        return cls(placements, graph.output, on_fallback)
+
+    @property
+    def devices(self) -> list[Device]:
+        return list({id(p.device): p.device for p in self.placements if p.device is not None}.values())
+
+    def run(self, step: Step, want_logits: bool = False) -> StepOutput:
+        values: dict[str, tuple[Device, Any]] = {}
+        fallbacks: list[tuple[str, np.ndarray]] = []
+        every_seq = np.ones(step.n_seqs, dtype=bool)
+        for p in self.placements:
+            group = p.group
+            op = group.sampling_op
+            if op is not None:
+                if step.sampling is None:
+                    break
+                needed = SAMPLING_OP_NEEDED[op](step.sampling)
+                if not needed.any():   # nobody needs it: the value passes through unchanged
+                    values[group.outputs[0]] = values[group.inputs[0]]
+                    continue
+            else:
+                needed = every_seq
+            if p.refused:
+                raise server_error(f"CPU fallback disabled: {p.fallback_cause}")
+            args = [self._fetch(values, name, p.device) for name in group.inputs]
+            for name, buf in zip(group.outputs, p.kernel(args, step)):
+                values[name] = (p.device, buf)
+            if p.fallback_cause is not None:
+                self._on_fallback(p.fallback_cause)
+                fallbacks.append((p.fallback_cause, needed))
+        next_tokens = None
+        if "next_tokens" in values:
+            device, buf = values["next_tokens"]
+            next_tokens = device.to_host(buf).astype(np.int32, copy=False)
+        logits = None
+        if want_logits:
+            device, buf = values[self.output]
+            logits = device.to_host(buf)
+        return StepOutput(next_tokens, logits, fallbacks)
+
+    @staticmethod
+    def _fetch(values: dict[str, tuple[Device, Any]], name: str, device: Device) -> Any:
+        """The value on ``device``, copied through the host where placement changes (cached)."""
+        src, buf = values[name]
+        if src is device:
+            return buf
+        copied = device.to_device(src.to_host(buf))
+        values[name] = (device, copied)
+        return copied
+
+    def refusal(self, sampling_ops: set[str]) -> str | None:
+        """The cause of the first group a request would need that may not run (fallback refused)."""
+        for p in self.placements:
+            op = p.group.sampling_op
+            if p.refused and (op is None or op in sampling_ops):
+                return p.fallback_cause
+        return None
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"group": p.group.describe(), "device": p.device.info.name if p.device else None,
+                 "fallback": p.fallback_cause is not None} for p in self.placements]
+
+
+def _preference(group: FusedGroup, pool: list[Device], n_layers: int) -> list[Device]:
+    """The group's layer's device first (layers split evenly in pool order), then the rest."""
+    if len(pool) <= 1:
+        return list(pool)
+    if group.layer >= 0:
+        owner = min(group.layer * len(pool) // max(n_layers, 1), len(pool) - 1)
+    else:
+        owner = 0 if group.nodes[0].op == "embedding" else len(pool) - 1
+    return [pool[owner]] + [d for i, d in enumerate(pool) if i != owner]
+
+
+def _place(group: FusedGroup, devices: list[Device], graph: Graph, ctx: CompileContext,
+           fallback_device: Device | None, allow_fallback: bool) -> Placement:
+    weights = {name: graph.weights[name] for name in group.params}
+    reasons = []
+    for device in devices:
+        kernel = device.compile(group, weights, ctx)
+        if not isinstance(kernel, str):
+            return Placement(group, device, kernel, None)
+        reasons.append(f"{device.info.name}: {kernel}")
+    cause = "; ".join([group.describe()] + reasons)
+    if not allow_fallback or fallback_device is None:
+        return Placement(group, None, None, cause)
+    kernel = fallback_device.compile(group, weights, ctx)
+    if isinstance(kernel, str):
+        raise RuntimeError(f"the CPU interpreter cannot run {group.describe()}: {kernel}")
+    return Placement(group, fallback_device, kernel, cause)

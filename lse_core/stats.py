@@ -1,0 +1,54 @@
+"""Request and token counters for lse_status and the server's /metrics."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.started = time.time()
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, str], int] = {}     # (endpoint, outcome) -> count
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self.latency_buckets = [0] * len(LATENCY_BUCKETS)
+        self.latency_sum = 0.0
+        self.ttft_sum = 0.0
+        self.ttft_count = 0
+
+    def record(self, endpoint: str, outcome: str, prompt: int = 0, cached: int = 0, completion: int = 0,
+               seconds: float | None = None, ttft: float | None = None) -> None:
+        with self._lock:
+            key = (endpoint, outcome)
+            self.requests[key] = self.requests.get(key, 0) + 1
+            self.prompt_tokens += prompt
+            self.cached_tokens += cached
+            self.completion_tokens += completion
+            if seconds is not None:
+                self.latency_sum += seconds
+                for i, bound in enumerate(LATENCY_BUCKETS):
+                    if seconds <= bound:
+                        self.latency_buckets[i] += 1
+            if ttft is not None:
+                self.ttft_sum += ttft
+                self.ttft_count += 1
+
+    def to_json(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "uptime_s": round(time.time() - self.started, 3),
+                "requests": [{"endpoint": e, "outcome": o, "count": n} for (e, o), n in sorted(self.requests.items())],
+                "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens,
+                "completion_tokens": self.completion_tokens,
+                "latency_seconds": {"sum": round(self.latency_sum, 6),
+                                    "buckets": [{"le": b, "count": n}   # cumulative, as Prometheus
+                                                for b, n in zip(LATENCY_BUCKETS, self.latency_buckets)]},
+                "time_to_first_token_seconds": {"sum": round(self.ttft_sum, 6), "count": self.ttft_count},
+            }
