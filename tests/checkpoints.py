@@ -1,0 +1,193 @@
+"""Tiny random Hugging Face checkpoints (llama, qwen2, qwen3) written by transformers itself, and
+the two ways to run them: the real HF code (the reference) and LSE's graph on the CPU interpreter.
+
+    path = write_checkpoint(tmp_path, "qwen3", num_hidden_layers=3)
+    ids, logits = hf_greedy(path, prompt, 16)
+    ids, logits = lse_greedy(load_hf(str(path)), prompt, 16)
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from lse_core.devices.hookspec import CompileContext
+from lse_core.graph.ir import PENALTY_WINDOW, SamplingBatch, Step
+from lse_core.graph.plan import Plan
+from lse_core.model.arch import build_graph
+from lse_core.model.model import Model
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A serving engine turns a model into a graph of ops.
+Each op runs on a device: a GPU, an accelerator, or the CPU interpreter when nothing else can.
+Paris is the capital of France; Berlin is the capital of Germany; Rome is the capital of Italy.
+Tokens are sampled with temperature, top-k, top-p and min-p after the penalties are applied.
+The key and value cache holds every position of every sequence that is being decoded at once.
+def add(a, b):\n    return a + b\nprint(add(2, 3))  # 5
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2.71828. Unicode: café, naïve, 東京, Ωμέγα.
+"""
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.1)
+
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(SMALL, tie_word_embeddings=True, rope_theta=10000.0),     # SmolLM2-like
+    "qwen2": dict(SMALL, tie_word_embeddings=False, rope_theta=1000000.0),
+    "qwen3": dict(SMALL, num_hidden_layers=3, head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0),
+}
+
+PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@cache
+def train_tokenizer(vocab_size: int = 600) -> str:
+    """A byte-level BPE tokenizer trained on CORPUS, as tokenizer.json text (trained once per run)."""
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(CORPUS.splitlines(), trainer)
+    return tokenizer.to_str()
+
+
+def write_checkpoint(directory: Path | str, arch: str, *, seed: int = 0, dtype: str = "float32",
+                     max_shard_size: str | None = None, generation_config: dict | None = None,
+                     chat_template: str | None = None, template_location: str = "jinja",
+                     **config: Any) -> Path:
+    """A random ``arch`` model saved by transformers in ``directory`` with its tokenizer files.
+
+    ``config`` overrides the architecture's tiny defaults; ``dtype`` (float32, float16, bfloat16) is
+    the stored precision; ``max_shard_size`` (e.g. "100KB") shards the weights; ``template_location``
+    puts ``chat_template`` in chat_template.jinja, tokenizer_config (a string), tokenizer_config_list
+    (the entry named default) or chat_template.json.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = tokenizers.Tokenizer.from_str(train_tokenizer())
+    settings = {**ARCH_DEFAULTS[arch], "vocab_size": tokenizer.get_vocab_size(),
+                "bos_token_id": tokenizer.token_to_id("<|endoftext|>"),
+                "eos_token_id": tokenizer.token_to_id("<|im_end|>"), **config}
+    hf_config = AutoConfig.for_model(arch, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config)
+    with torch.no_grad():  # HF initialises norms to 1 and biases to 0; random ones test that they are read
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.3 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.normal_(0, 0.3)
+    save_args = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.to(getattr(torch, dtype)).save_pretrained(directory, **save_args)
+    (directory / "generation_config.json").unlink(missing_ok=True)  # transformers writes one; we choose
+
+    tokenizer.save(str(directory / "tokenizer.json"))
+    tokenizer_config: dict[str, Any] = {
+        "bos_token": None,
+        "eos_token": {"content": "<|im_end|>", "special": True},
+        "pad_token": "<|endoftext|>",
+        "added_tokens_decoder": {str(tokenizer.token_to_id(t)): {"content": t, "special": True}
+                                 for t in SPECIAL_TOKENS},
+        "model_max_length": settings["max_position_embeddings"],
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    if chat_template is not None:
+        if template_location == "jinja":
+            (directory / "chat_template.jinja").write_text(chat_template)
+        elif template_location == "tokenizer_config":
+            tokenizer_config["chat_template"] = chat_template
+        elif template_location == "tokenizer_config_list":
+            tokenizer_config["chat_template"] = [{"name": "tool_use", "template": "{{ 'tools' }}"},
+                                                 {"name": "default", "template": chat_template}]
+        elif template_location == "json":
+            (directory / "chat_template.json").write_text(json.dumps({"chat_template": chat_template}))
+        else:
+            raise ValueError(f"unknown template_location {template_location!r}")
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    if generation_config is not None:
+        (directory / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
+    return directory
+
+
+def prompt_ids(path: Path | str, text: str = PROMPT) -> list[int]:
+    return tokenizers.Tokenizer.from_file(str(Path(path) / "tokenizer.json")).encode(text).ids
+
+
+def hf_greedy(path: Path | str, prompt: list[int], n_new: int) -> tuple[list[int], np.ndarray]:
+    """transformers' greedy continuation of ``prompt`` and the logits that chose each new token
+    ([n_new, vocab]: the last prompt row, then each generated row but the last)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        for _ in range(n_new):  # a full forward per token: no HF cache in the reference
+            next_id = model(ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+        logits = model(ids).logits[0, len(prompt) - 1:-1].numpy()
+    return ids[0, len(prompt):].tolist(), logits
+
+
+def greedy_sampling(n_seqs: int) -> SamplingBatch:
+    """Every op off, temperature 0; each field its own array, so tests can switch ops on."""
+    def zeros() -> np.ndarray:
+        return np.zeros(n_seqs, np.float32)
+
+    def ones() -> np.ndarray:
+        return np.ones(n_seqs, np.float32)
+
+    return SamplingBatch(temperature=zeros(), top_k=np.zeros(n_seqs, np.int32), top_p=ones(), min_p=zeros(),
+                         repetition_penalty=ones(), presence_penalty=zeros(),
+                         recent=np.full((n_seqs, PENALTY_WINDOW), -1, np.int32), uniform=zeros())
+
+
+def make_step(rows: list[tuple[int, list[int], int]], sampling: SamplingBatch | None = None) -> Step:
+    """A Step from (slot, tokens, first position) per sequence, sampling each sequence's last row."""
+    counts = [len(tokens) for _, tokens, _ in rows]
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return Step(
+        tokens=np.concatenate([np.asarray(t, np.int32) for _, t, _ in rows]),
+        positions=np.concatenate([np.arange(p, p + len(t), dtype=np.int32) for _, t, p in rows]),
+        slots=np.array([slot for slot, _, _ in rows], np.int32),
+        query_starts=starts,
+        sample_rows=starts[1:] - 1,
+        sampling=sampling if sampling is not None else greedy_sampling(len(rows)),
+    )
+
+
+def cpu_plan(model: Model, kv_slots: int = 4, kv_len: int = 128, max_tokens: int = 64) -> Plan:
+    from lse_backends.cpu import CPUDevice
+
+    device = CPUDevice()
+    return Plan.build(build_graph(model), pool=[device], ctx=CompileContext(kv_slots, kv_len, max_tokens),
+                      fallback_device=device, allow_fallback=True)
+
+
+def lse_greedy(model: Model, prompt: list[int], n_new: int, chunk: int | None = None,
+               slot: int = 0) -> tuple[list[int], np.ndarray]:
+    """LSE's greedy continuation on the CPU interpreter: the prompt in chunks of ``chunk`` rows
+    (whole when None), then one decode row per step. Returns the ids and [n_new, vocab] logits."""
+    plan = cpu_plan(model)
+    chunk = chunk or len(prompt)
+    for start in range(0, len(prompt), chunk):
+        out = plan.run(make_step([(slot, prompt[start:start + chunk], start)]), want_logits=True)
+    ids, logits = [], []
+    for position in range(len(prompt), len(prompt) + n_new):
+        ids.append(int(out.next_tokens[0]))
+        logits.append(out.logits[0])
+        if len(ids) < n_new:
+            out = plan.run(make_step([(slot, [ids[-1]], position)]), want_logits=True)
+    return ids, np.stack(logits)
