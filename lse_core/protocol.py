@@ -1,0 +1,566 @@
+"""LSE's OpenAI JSON, in one place: request bodies -> GenerationRequest, and finished or streaming
+replies -> response objects and chunks. The HTTP server and lse_request both use this module, so a
+client sees the same JSON either way. An error, streamed or not, is ``LSEError.body()``.
+
+What the engine side fills in:
+
+  TokenLogprob  one reply token: its text, log-probability, and the top alternatives (text, logprob)
+  Choice        the reply: text (with echo, the prompt text first), reasoning (the <think> text, None
+                when the reply had no reasoning), tool_calls (OpenAI's message.tool_calls entries),
+                stop_reason (stop_token, stop_sequence, max_tokens, context_full or cancelled; the
+                finish_reason is derived from it), logprobs when the request asked for them
+  Usage         prompt tokens (the whole prompt, cached ones included), reply tokens, cached tokens
+  Timings       prompt tokens computed and their milliseconds; reply tokens and their milliseconds
+  LSEWarning    one lse_warnings entry: a CPU fallback cause and how often this request ran it
+  Outcome       all of the above for a finished reply, plus the context length
+
+``Reply(request, model)`` shapes one reply: ``.response(outcome)`` for a whole reply, or
+``.chunk(...)`` per streamed delta and ``.final_chunks(outcome)`` at the end of a stream.
+
+Parsing follows OpenAI: unknown fields are ignored, null means not sent. Every type or range error
+is a 400 invalid_request_error whose code is missing_field, invalid_type or invalid_value and whose
+param is the field's path ("messages[2].content", "stop[1]"). One choice per request: n > 1 and
+several prompts in one request are refused.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lse_core.errors import LSEError, invalid_request
+from lse_core.limits import lse_context
+from lse_core.sampling import GenerationDefaults
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}
+INT64_MAX = 2**63 - 1   # integer fields hold 64-bit values, as OpenAI's do
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+# ---- requests ----
+
+@dataclass
+class GenerationRequest:
+    """A parsed /v1/chat/completions or /v1/completions body. None means not sent."""
+
+    endpoint: str                                   # "chat" or "completion"
+    body: dict[str, Any]                            # the raw body, for the thinking resolver
+    model: str | None = None
+    messages: list[dict[str, Any]] | None = None    # chat: content always a string
+    prompt: str | list[int] | None = None           # completion: text or token ids
+    stream: bool = False
+    include_usage: bool = False
+    stop: tuple[str, ...] = ()
+    max_tokens: int | None = None                   # max_tokens, else max_completion_tokens
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0                           # alternatives per token, when logprobs
+    echo: bool = False                              # completion: return the prompt before the reply
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def prompt_param(self) -> str:
+        """The field a prompt error names: messages or prompt."""
+        return "messages" if self.endpoint == "chat" else "prompt"
+
+
+def parse_chat(body: object) -> GenerationRequest:
+    """A /v1/chat/completions body, checked; raises LSEError (400) naming the offending field."""
+    body = _object_body(body)
+    request = _parse_common(body, "chat")
+    request.messages = _messages(body.get("messages"))
+    logprobs = _optional(body, "logprobs", _boolean) or False
+    top_logprobs = _optional(body, "top_logprobs", _integer, 0, MAX_TOP_LOGPROBS["chat"]) or 0
+    if top_logprobs and not logprobs:
+        raise invalid_request("top_logprobs needs logprobs: true", "invalid_value", "top_logprobs")
+    request.logprobs, request.top_logprobs = logprobs, top_logprobs
+    request.tools = _optional(body, "tools", _tools)
+    request.tool_choice = _optional(body, "tool_choice", _tool_choice)
+    request.chat_template_kwargs = _optional(body, "chat_template_kwargs", _object)
+    return request
+
+
+def parse_completion(body: object) -> GenerationRequest:
+    """A /v1/completions body, checked; raises LSEError (400) naming the offending field."""
+    body = _object_body(body)
+    request = _parse_common(body, "completion")
+    request.prompt = _prompt(body.get("prompt"))
+    top_logprobs = _optional(body, "logprobs", _integer, 0, MAX_TOP_LOGPROBS["completion"])
+    request.logprobs, request.top_logprobs = top_logprobs is not None, top_logprobs or 0
+    request.echo = _optional(body, "echo", _boolean) or False
+    return request
+
+
+def _object_body(body: object) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise invalid_request(f"the request body must be a JSON object, got {_json_type(body)}",
+                              "invalid_type", None)
+    return body
+
+
+def _parse_common(body: dict[str, Any], endpoint: str) -> GenerationRequest:
+    n = _optional(body, "n", _integer, 1)
+    if n is not None and n > 1:
+        raise invalid_request("n must be 1: LSE returns one choice per request; send n requests instead",
+                              "invalid_value", "n")
+    stream_options = _optional(body, "stream_options", _object) or {}
+    max_tokens = _optional(body, "max_tokens", _integer, 1)
+    max_completion_tokens = _optional(body, "max_completion_tokens", _integer, 1)
+    return GenerationRequest(
+        endpoint=endpoint,
+        body=body,
+        model=_optional(body, "model", _string),
+        stream=_optional(body, "stream", _boolean) or False,
+        include_usage=_optional(stream_options, "include_usage", _boolean, path="stream_options") or False,
+        stop=_stop(body.get("stop")),
+        max_tokens=max_completion_tokens if max_tokens is None else max_tokens,
+        temperature=_optional(body, "temperature", _number),
+        top_k=_optional(body, "top_k", _integer, -1),
+        top_p=_optional(body, "top_p", _number, 0.0, 1.0),
+        min_p=_optional(body, "min_p", _number, 0.0, 1.0),
+        presence_penalty=_optional(body, "presence_penalty", _number),
+        repetition_penalty=_optional(body, "repetition_penalty", _positive_number),
+        frequency_penalty=_optional(body, "frequency_penalty", _number),
+        seed=_optional(body, "seed", _integer, 0),
+    )
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if value is None:
+        raise invalid_request("messages is required", "missing_field", "messages")
+    if not isinstance(value, list):
+        raise _type_error("messages", "an array of messages", value)
+    if not value:
+        raise invalid_request("messages must not be empty", "invalid_value", "messages")
+    return [_message(m, f"messages[{i}]") for i, m in enumerate(value)]
+
+
+def _message(value: Any, path: str) -> dict[str, Any]:
+    """One message, normalized for templates: content a string; an assistant's tool_calls and
+    reasoning_content, a tool message's tool_call_id and any name kept."""
+    value = _object(value, path)
+    role = _required(value, "role", _string, path)
+    if role not in ROLES:
+        raise invalid_request(f"{path}.role must be one of {', '.join(ROLES)}, got {role!r:.40}",
+                              "invalid_value", f"{path}.role")
+    content = value.get("content")
+    if content is None and role != "assistant":   # an assistant turn may hold only tool calls
+        raise invalid_request(f"{path}.content is required", "missing_field", f"{path}.content")
+    message: dict[str, Any] = {"role": role, "content": "" if content is None else _content(content, path)}
+    kept = {"name": _string}
+    if role == "assistant":
+        kept |= {"tool_calls": _tool_calls, "reasoning_content": _string}
+    if role == "tool":
+        kept |= {"tool_call_id": _string}
+    for name, check in kept.items():
+        if value.get(name) is not None:
+            message[name] = check(value[name], f"{path}.{name}")
+    return message
+
+
+def _content(value: Any, message_path: str) -> str:
+    """A string, or text parts joined with newlines (as vLLM joins them for string templates)."""
+    path = f"{message_path}.content"
+    if isinstance(value, str):
+        return _string(value, path)
+    if not isinstance(value, list):
+        raise _type_error(path, "a string or an array of text parts", value)
+    texts = []
+    for j, part in enumerate(value):
+        part_path = f"{path}[{j}]"
+        part = _object(part, part_path)
+        kind = _required(part, "type", _string, part_path)
+        if kind != "text":
+            raise invalid_request(f"{part_path}.type {kind!r:.40} is not supported; only text parts are",
+                                  "invalid_value", f"{part_path}.type")
+        texts.append(_required(part, "text", _string, part_path))
+    return "\n".join(texts)
+
+
+def _tool_calls(value: Any, path: str) -> list[dict[str, Any]]:
+    calls = _array(value, path)
+    for i, call in enumerate(calls):
+        function = _required(_object(call, f"{path}[{i}]"), "function", _object, f"{path}[{i}]")
+        _required(function, "name", _string, f"{path}[{i}].function")
+    return calls
+
+
+def _tools(value: Any, path: str) -> list[dict[str, Any]]:
+    tools = _array(value, path)
+    for i, tool in enumerate(tools):
+        tool_path = f"{path}[{i}]"
+        if _required(_object(tool, tool_path), "type", _string, tool_path) != "function":
+            raise invalid_request(f"{tool_path}.type must be function", "invalid_value", f"{tool_path}.type")
+        _required(_required(tool, "function", _object, tool_path), "name", _string, f"{tool_path}.function")
+    return tools
+
+
+def _tool_choice(value: Any, path: str) -> str | dict[str, Any]:
+    if isinstance(value, str):
+        if _string(value, path) not in TOOL_CHOICES:
+            raise invalid_request(f"{path} must be one of {', '.join(TOOL_CHOICES)} or a function, "
+                                  f"got {value!r:.40}", "invalid_value", path)
+        return value
+    choice = _object(value, path)
+    _required(_required(choice, "function", _object, path), "name", _string, f"{path}.function")
+    return choice
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (_stop_string(_string(value, "stop"), "stop"),)
+    if not isinstance(value, list):
+        raise _type_error("stop", "a string or an array of strings", value)
+    if len(value) > MAX_STOP_STRINGS:
+        raise invalid_request(f"stop holds at most {MAX_STOP_STRINGS} strings, got {len(value)}",
+                              "invalid_value", "stop")
+    return tuple(_stop_string(_string(s, f"stop[{i}]"), f"stop[{i}]") for i, s in enumerate(value))
+
+
+def _stop_string(value: str, path: str) -> str:
+    if not value:
+        raise invalid_request(f"{path} must not be empty", "invalid_value", path)
+    return value
+
+
+def _prompt(value: Any) -> str | list[int]:
+    """A string or a list of token ids; a one-element batch ([text] or [[ids]]) is that prompt."""
+    if value is None:
+        raise invalid_request("prompt is required", "missing_field", "prompt")
+    path = "prompt"
+    if isinstance(value, list) and value and isinstance(value[0], str | list):
+        if len(value) > 1:
+            raise invalid_request("several prompts in one request are not supported; send one per request",
+                                  "invalid_value", "prompt")
+        value, path = value[0], "prompt[0]"
+    if isinstance(value, str):
+        if not _string(value, path):
+            raise invalid_request(f"{path} must not be empty", "invalid_value", path)
+        return value
+    if not isinstance(value, list):
+        raise _type_error(path, "a string or an array of token ids", value)
+    if not value:
+        raise invalid_request(f"{path} must not be empty", "invalid_value", path)
+    return [_integer(t, f"{path}[{i}]", 0) for i, t in enumerate(value)]
+
+
+# ---- field checks: each takes the value and its path, returns the value or raises ----
+
+def _optional(body: dict[str, Any], name: str, check: Callable[..., Any], *bounds: Any,
+              path: str | None = None) -> Any:
+    """The checked field, or None when it is absent or null."""
+    value = body.get(name)
+    return None if value is None else check(value, f"{path}.{name}" if path else name, *bounds)
+
+
+def _required(body: dict[str, Any], name: str, check: Callable[..., Any], path: str) -> Any:
+    value = body.get(name)
+    if value is None:
+        raise invalid_request(f"{path}.{name} is required", "missing_field", f"{path}.{name}")
+    return check(value, f"{path}.{name}")
+
+
+def _string(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        raise _type_error(path, "a string", value)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:   # JSON's "\ud800" escapes decode to lone surrogates no tokenizer takes
+        raise invalid_request(f"{path} is not valid Unicode: it holds a lone surrogate",
+                              "invalid_value", path) from None
+    return value
+
+
+def _boolean(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise _type_error(path, "a boolean", value)
+    return value
+
+
+def _object(value: Any, path: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _type_error(path, "an object", value)
+    return value
+
+
+def _array(value: Any, path: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise _type_error(path, "an array", value)
+    return value
+
+
+def _integer(value: Any, path: str, minimum: int = -INT64_MAX - 1, maximum: int = INT64_MAX) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error(path, "an integer", value)
+    if not minimum <= value <= maximum:
+        raise invalid_request(f"{path} must be {_range_text(minimum, maximum, INT64_MAX)}, got "
+                              f"{value if abs(value) <= INT64_MAX + 1 else 'an integer beyond 64 bits'}",
+                              "invalid_value", path)
+    return value
+
+
+def _number(value: Any, path: str, minimum: float = -math.inf, maximum: float = math.inf) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _type_error(path, "a number", value)
+    try:
+        number = float(value)
+    except OverflowError:   # an integer beyond any float
+        number = math.inf
+    if not math.isfinite(number):
+        raise invalid_request(f"{path} must be a finite number", "invalid_value", path)
+    if not minimum <= number <= maximum:
+        raise invalid_request(f"{path} must be {_range_text(minimum, maximum, math.inf)}, got {number:g}",
+                              "invalid_value", path)
+    return number
+
+
+def _positive_number(value: Any, path: str) -> float:
+    number = _number(value, path)
+    if number <= 0:
+        raise invalid_request(f"{path} must be greater than 0, got {number:g}", "invalid_value", path)
+    return number
+
+
+def _range_text(minimum: float, maximum: float, unbounded: float) -> str:
+    if maximum == unbounded:
+        return f"at least {minimum}"
+    return f"between {minimum} and {maximum}"
+
+
+def _type_error(path: str, expected: str, value: Any) -> LSEError:
+    return invalid_request(f"{path} must be {expected}, got {_json_type(value)}", "invalid_type", path)
+
+
+def _json_type(value: Any) -> str:
+    match value:
+        case None:
+            return "null"
+        case bool():
+            return "a boolean"
+        case int() | float():
+            return "a number"
+        case str():
+            return "a string"
+        case list():
+            return "an array"
+        case dict():
+            return "an object"
+    return type(value).__name__
+
+
+# ---- what the engine hands back ----
+
+@dataclass
+class TokenLogprob:
+    token: str
+    logprob: float | None                           # None for an echoed prompt's first token
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class Choice:
+    stop_reason: str
+    text: str = ""
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class Timings:
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt_n": self.prompt_n, "prompt_ms": self.prompt_ms,
+                "prompt_per_second": _per_second(self.prompt_n, self.prompt_ms),
+                "predicted_n": self.predicted_n, "predicted_ms": self.predicted_ms,
+                "predicted_per_second": _per_second(self.predicted_n, self.predicted_ms)}
+
+
+@dataclass
+class LSEWarning:
+    cause: str
+    count: int
+    type: str = "cpu_fallback"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": self.type, "cause": self.cause, "count": self.count}
+
+
+@dataclass
+class Outcome:
+    choice: Choice
+    usage: Usage
+    context_length: int
+    timings: Timings
+    warnings: list[LSEWarning] = field(default_factory=list)
+
+
+def _per_second(n: int, ms: float) -> float:
+    return n * 1000.0 / ms if ms > 0 else 0.0
+
+
+FINISH_REASONS: dict[str, str | None] = {
+    "stop_token": "stop", "stop_sequence": "stop", "max_tokens": "length", "context_full": "length",
+    "cancelled": None,
+}
+
+
+def finish_reason(choice: Choice) -> str | None:
+    """OpenAI's finish_reason for a stop_reason: tool_calls when an end-of-turn followed a tool call."""
+    if choice.stop_reason == "stop_token" and choice.tool_calls:
+        return "tool_calls"
+    return FINISH_REASONS[choice.stop_reason]
+
+
+# ---- responses and chunks ----
+
+class Reply:
+    """The JSON of one reply, whole or streamed. Every chunk repeats the id, created and model."""
+
+    def __init__(self, request: GenerationRequest, model: str) -> None:
+        self.request = request
+        self.model = model
+        self.chat = request.endpoint == "chat"
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self._role_sent = False    # a chat stream's first chunk carries the role
+        self._streamed_chars = 0   # a stream's completion logprobs count text_offset across chunks
+
+    def response(self, outcome: Outcome) -> dict[str, Any]:
+        """A chat.completion or text_completion object."""
+        choice = outcome.choice
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant",
+                                       "content": None if choice.tool_calls and not choice.text else choice.text}
+            if choice.reasoning is not None:
+                message["reasoning_content"] = choice.reasoning
+            if choice.tool_calls:
+                message["tool_calls"] = choice.tool_calls
+            shaped: dict[str, Any] = {"index": 0, "message": message}
+        else:
+            shaped = {"index": 0, "text": choice.text}
+            if choice.reasoning is not None:
+                shaped["reasoning_content"] = choice.reasoning
+        shaped |= {"finish_reason": finish_reason(choice), "stop_reason": choice.stop_reason,
+                   "logprobs": self._logprobs(choice.logprobs or [], 0)}
+        body = self._envelope("chat.completion" if self.chat else "text_completion", [shaped])
+        body["usage"] = outcome.usage.to_json()
+        return body | self._closing(outcome)
+
+    def chunk(self, text: str = "", reasoning: str = "", logprobs: list[TokenLogprob] | None = None,
+              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """One streamed delta. The first chat chunk carries the role; tool calls come whole, in one chunk."""
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if not self._role_sent:
+                delta["role"] = "assistant"
+            if text or not self._role_sent:
+                delta["content"] = text
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if tool_calls:
+                delta["tool_calls"] = [{"index": i} | call for i, call in enumerate(tool_calls)]
+            self._role_sent = True
+            shaped: dict[str, Any] = {"index": 0, "delta": delta}
+        else:
+            shaped = {"index": 0, "text": text}
+            if reasoning:
+                shaped["reasoning_content"] = reasoning
+        shaped |= {"logprobs": self._logprobs(logprobs or [], self._streamed_chars),
+                   "finish_reason": None, "stop_reason": None}
+        self._streamed_chars += sum(len(t.token) for t in logprobs or [])
+        return self._stream_envelope([shaped])
+
+    def final_chunks(self, outcome: Outcome) -> list[dict[str, Any]]:
+        """The end of a stream: the chunk with finish_reason, stop_reason, lse_context, timings and
+        lse_warnings, then the usage chunk when stream_options.include_usage (preceded by the role
+        chunk when no delta was sent)."""
+        chunks = [] if self._role_sent or not self.chat else [self.chunk()]
+        choice = outcome.choice
+        shaped: dict[str, Any] = {"index": 0, "delta": {}} if self.chat else {"index": 0, "text": ""}
+        shaped |= {"logprobs": None, "finish_reason": finish_reason(choice), "stop_reason": choice.stop_reason}
+        chunks.append(self._stream_envelope([shaped]) | self._closing(outcome))
+        if self.request.include_usage:
+            chunks.append(self._envelope(self._chunk_object, []) | {"usage": outcome.usage.to_json()})
+        return chunks
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def _stream_envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        body = self._envelope(self._chunk_object, choices)
+        if self.request.include_usage:   # as OpenAI: usage null on every chunk but the usage chunk
+            body["usage"] = None
+        return body
+
+    def _closing(self, outcome: Outcome) -> dict[str, Any]:
+        used = outcome.usage.prompt_tokens + outcome.usage.completion_tokens
+        closing: dict[str, Any] = {"lse_context": lse_context(used, outcome.context_length),
+                                   "timings": outcome.timings.to_json()}
+        if outcome.warnings:
+            closing["lse_warnings"] = [w.to_json() for w in outcome.warnings]
+        return closing
+
+    def _logprobs(self, tokens: list[TokenLogprob], text_offset: int) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for these tokens; null when the request asked for none."""
+        if not self.request.logprobs:
+            return None
+        if self.chat:
+            return {"content": [_chat_logprob(t.token, t.logprob) | {
+                "top_logprobs": [_chat_logprob(text, logprob) for text, logprob in t.top]} for t in tokens],
+                "refusal": None}
+        offsets = []
+        for t in tokens:
+            offsets.append(text_offset)
+            text_offset += len(t.token)
+        return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [dict(t.top) for t in tokens], "text_offset": offsets}
+
+
+def _chat_logprob(token: str, logprob: float | None) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def model_entry(model_id: str, created: int, context_length: int, thinking: dict[str, Any],
+                defaults: GenerationDefaults) -> dict[str, Any]:
+    """One /v1/models entry; ``thinking`` is the template's thinking object as the spec shows it."""
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "lse",
+            "context_length": context_length, "thinking": thinking,
+            "generation_defaults": defaults.to_json()}
