@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -57,11 +58,17 @@ class Registry:
 
 
 def discover(group: str = "lse.backends") -> Registry:
+    """Load every backend plugin, or only those LSE_BACKENDS names (comma-separated), as vLLM's
+    VLLM_PLUGINS does; the CPU interpreter always loads, being the fallback."""
     registry = Registry()
     pm = pluggy.PluginManager("lse")
     pm.add_hookspecs(BackendSpec)
+    wanted = os.environ.get("LSE_BACKENDS")
+    allowed = None if wanted is None else {n.strip() for n in wanted.split(",")} | {INTERPRETER}
     for ep in importlib.metadata.entry_points(group=group):
         if ep.name in registry.backends or ep.name in registry.failures:
+            continue
+        if allowed is not None and ep.name not in allowed:
             continue
         try:
             module = ep.load()

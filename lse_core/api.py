@@ -1,0 +1,333 @@
+"""The in-process API: lse_open / lse_request / lse_model_info / lse_status / lse_close.
+
+The HTTP server is a thin transport over these functions; every JSON body they produce is
+shaped by lse_core.protocol, so both return the same JSON."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from lse_core import protocol
+from lse_core.config import LSEConfig
+from lse_core.devices.hookspec import CompileContext, Device, DeviceInfo
+from lse_core.devices.registry import Registry, discover, open_devices, open_interpreter, resolve_pool
+from lse_core.engine.engine import Engine
+from lse_core.engine.sequence import Delta, SeqParams, Sequence
+from lse_core.errors import LSEError, StartupError, invalid_request, server_error
+from lse_core.fallback import FallbackLog
+from lse_core.graph.plan import Plan
+from lse_core.limits import resolve_limit
+from lse_core.model.arch import build_graph
+from lse_core.model.default import load_model
+from lse_core.model.model import Model
+from lse_core.sampling import GenerationDefaults, generation_defaults, resolve_sampling
+from lse_core.stats import Stats
+from lse_core.template.probe import Thinking, probe
+from lse_core.template.reasoning import reasoning_splitter
+from lse_core.template.render import ChatTemplate
+from lse_core.template.thinking import resolve_level, template_variables
+
+log = logging.getLogger("lse")
+
+EVENT_TOKEN = "token"
+EVENT_END = "end"
+EVENT_ERROR = "error"
+
+
+@dataclass
+class Event:
+    """One event of a request. token: ``data`` is a chunk object (the SSE chunk when streaming).
+    end: ``data`` is the response object, or for a stream the list of its closing chunks.
+    error: ``status`` and ``data``, the error body the server sends."""
+
+    kind: str
+    data: Any
+    status: int = 200
+
+
+@dataclass
+class LSE:
+    """An open engine."""
+
+    config: LSEConfig
+    model: Model
+    model_id: str
+    template: ChatTemplate | None
+    thinking: Thinking
+    defaults: GenerationDefaults
+    context_length: int
+    registry: Registry
+    devices: list[Device]
+    plan: Plan
+    engine: Engine
+    fallback: FallbackLog
+    startup_warnings: list[str]
+    stats: Stats = field(default_factory=Stats)
+
+
+def lse_open_or_raise(config: LSEConfig | dict[str, Any] | None = None) -> LSE:
+    """Open the engine, raising StartupError with the one-line reason when it cannot start."""
+    if not isinstance(config, LSEConfig):
+        config = LSEConfig(**(config or {}))
+    refused = config.cpu_fallback_refused
+    registry = discover()
+    infos, warnings = resolve_pool(registry, config.pool, refused)
+    for warning in warnings:
+        log.warning("lse: %s", warning)
+    model = load_model(config.model)
+    template = None
+    if model.chat_template is not None:
+        template = ChatTemplate(model.chat_template, model.chat_template_source, model.tokenizer.template_variables())
+    thinking = probe(template)
+    defaults = generation_defaults(model.generation_config, model.config, config.temperature)
+    graph = build_graph(model)
+    context_length = config.kv_len or min(model.trained_context, 4096)
+    if context_length < 2:
+        raise StartupError(f"--kv-len {context_length} is too small; it is the context length in tokens")
+    devices = open_devices(registry, infos)
+    fallback = FallbackLog(allowed=not refused)
+    interpreter = None if refused else open_interpreter(registry)
+    ctx = CompileContext(kv_slots=config.parallel, kv_len=context_length,
+                         max_tokens=max(config.prefill_chunk, config.parallel))
+    plan = Plan.build(graph, devices, ctx, interpreter, not refused, fallback.record)
+    _log_plan(plan)
+    engine = Engine(plan, model.tokenizer, config.parallel, config.max_queue, config.prefill_chunk)
+    return LSE(config, model, _model_id(model), template, thinking, defaults, context_length, registry,
+               devices, plan, engine, fallback, warnings)
+
+
+def lse_open(config: LSEConfig | dict[str, Any] | None = None) -> LSE | None:
+    """Open the engine, or log the reason and return None (the C API's NULL)."""
+    try:
+        return lse_open_or_raise(config)
+    except StartupError as e:
+        log.error("lse: startup failed: %s", e)
+        return None
+
+
+def lse_close(lse: LSE) -> None:
+    lse.engine.close()
+    for device in lse.devices:
+        device.close()
+
+
+def _model_id(model: Model) -> str:
+    import os
+
+    name = os.path.basename(os.path.normpath(model.source))
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def _log_plan(plan: Plan) -> None:
+    by_device: dict[str, int] = {}
+    for p in plan.placements:
+        key = p.device.info.name if p.device else "refused"
+        if p.fallback_cause is not None:
+            key = f"{key} (CPU fallback)" if p.device else "refused (CPU fallback disabled)"
+        by_device[key] = by_device.get(key, 0) + 1
+    log.info("lse: plan: %s", ", ".join(f"{n} groups on {d}" for d, n in by_device.items()))
+
+
+class Request:
+    """A running request: ``cancel()`` ends its sequence at the next engine step and frees its slot."""
+
+    def __init__(self, lse: LSE, endpoint: str, on_event: Callable[[Event], None]) -> None:
+        self.lse = lse
+        self.endpoint = endpoint
+        self.on_event = on_event
+        self.sequence: Sequence | None = None
+        self.done = threading.Event()
+
+    def cancel(self) -> None:
+        if self.sequence is not None and not self.done.is_set():
+            self.lse.engine.cancel(self.sequence)
+
+    def emit(self, event: Event) -> None:
+        if event.kind != EVENT_TOKEN:
+            self.done.set()
+        self.on_event(event)
+
+
+def lse_request(lse: LSE, body: Any, on_event: Callable[[Event], None], endpoint: str = "chat") -> Request:
+    """Start a chat ("chat") or completion ("completion") request. Events arrive on ``on_event``
+    from the engine's thread: token events, then one end event — or a single error event
+    (status and the error body), before any work when the request is invalid."""
+    request = Request(lse, endpoint, on_event)
+    try:
+        _start(lse, request, body)
+    except LSEError as e:
+        lse.stats.record(endpoint, f"error_{e.status}")
+        request.emit(Event(EVENT_ERROR, e.body(), e.status))
+    return request
+
+
+def _start(lse: LSE, request: Request, body: Any) -> None:
+    if request.endpoint not in ("chat", "completion"):
+        raise invalid_request(f"unknown endpoint {request.endpoint!r}: chat or completion", "invalid_value")
+    chat = request.endpoint == "chat"
+    req = protocol.parse_chat(body) if chat else protocol.parse_completion(body)
+    _check_model(lse, req.model)
+    tokenizer = lse.model.tokenizer
+    level = resolve_level(lse.thinking, req.body, request.endpoint)
+    if chat:
+        if lse.template is None:
+            raise invalid_request("this model has no chat template; send a plain prompt to /v1/completions",
+                                  "no_chat_template", "messages")
+        prompt_text = lse.template.render(req.messages, tools=req.tools, **template_variables(level, req.body))
+        prompt = tokenizer.encode(prompt_text, add_special_tokens=False)
+    elif isinstance(req.prompt, str):
+        prompt_text, prompt = req.prompt, tokenizer.encode(req.prompt, add_special_tokens=True)
+    else:
+        bad = next((i for i, t in enumerate(req.prompt) if t >= tokenizer.vocab_size), None)
+        if bad is not None:
+            raise invalid_request(f"token {req.prompt[bad]} is outside the vocabulary (size "
+                                  f"{tokenizer.vocab_size})", "invalid_value", f"prompt[{bad}]")
+        prompt_text, prompt = tokenizer.decode(req.prompt), list(req.prompt)
+    if not prompt:
+        raise invalid_request("the prompt is empty", "invalid_value", req.prompt_param)
+    if req.echo and req.logprobs:
+        raise invalid_request("echo with logprobs is not supported: LSE does not score prompt tokens",
+                              "invalid_value", "echo")
+    limit = resolve_limit(req.max_tokens, lse.config.max_tokens, lse.defaults, len(prompt),
+                          lse.context_length, req.prompt_param)
+    sampling = resolve_sampling(req, lse.defaults)
+    params = SeqParams(
+        prompt=prompt, max_new_tokens=limit.max_new_tokens, limit_reason=limit.stop_reason,
+        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty, presence_penalty=sampling.presence_penalty,
+        seed=sampling.seed, stop=list(req.stop), eos_ids=tokenizer.eos_ids,
+        top_logprobs=req.top_logprobs if req.logprobs else None,
+        splitter=reasoning_splitter(lse.thinking, level, prompt_text))
+    reply = _ReplyBuilder(lse, request, req, prompt_text if req.echo else "")
+    if params.max_new_tokens == 0:   # max_length leaves no room: an empty reply, no work
+        reply.finish_empty(params)
+        return
+    request.sequence = lse.engine.submit(params, reply.on_delta, reply.on_finish)
+
+
+class _ReplyBuilder:
+    """Collects a sequence's deltas into events: chunks as they come, the whole reply at the end."""
+
+    def __init__(self, lse: LSE, request: Request, req: protocol.GenerationRequest, echo: str) -> None:
+        self.lse = lse
+        self.request = request
+        self.req = req
+        self.reply = protocol.Reply(req, lse.model_id)
+        self.text = [echo]
+        self.reasoning: list[str] = []
+        self.logprobs: list[protocol.TokenLogprob] = []
+        if echo and req.stream:
+            self.request.emit(Event(EVENT_TOKEN, self.reply.chunk(text=echo)))
+
+    def on_delta(self, seq: Sequence, delta: Delta) -> None:
+        logprobs = [self._logprob(entry) for entry in delta.logprobs]
+        self.text.append(delta.content)
+        self.reasoning.append(delta.reasoning)
+        self.logprobs.extend(logprobs)
+        if delta.content or delta.reasoning or logprobs:
+            self.request.emit(Event(EVENT_TOKEN, self.reply.chunk(delta.content, delta.reasoning, logprobs)))
+
+    def on_finish(self, seq: Sequence) -> None:
+        lse, endpoint = self.lse, self.request.endpoint
+        if seq.error is not None:
+            error = seq.error if isinstance(seq.error, LSEError) else server_error(str(seq.error))
+            lse.stats.record(endpoint, f"error_{error.status}")
+            self.request.emit(Event(EVENT_ERROR, error.body(), error.status))
+            return
+        prompt_n = len(seq.params.prompt) - seq.cached
+        first = seq.t_first_token or seq.t_end
+        timings = protocol.Timings(prompt_n, _ms(first - seq.t_admit), len(seq.output), _ms(seq.t_end - first))
+        usage = protocol.Usage(len(seq.params.prompt), len(seq.output), seq.cached)
+        self._end(seq.stop_reason, usage, timings, [protocol.LSEWarning(c, n) for c, n in seq.fallbacks.items()])
+        lse.stats.record(endpoint, seq.stop_reason, len(seq.params.prompt), seq.cached, len(seq.output),
+                         seq.t_end - seq.t_submit, first - seq.t_submit)
+
+    def finish_empty(self, params: SeqParams) -> None:
+        self._end(params.limit_reason, protocol.Usage(len(params.prompt), 0), protocol.Timings(0, 0.0, 0, 0.0), [])
+        self.lse.stats.record(self.request.endpoint, params.limit_reason, len(params.prompt))
+
+    def _end(self, stop_reason: str, usage: protocol.Usage, timings: protocol.Timings,
+             warnings: list[protocol.LSEWarning]) -> None:
+        reasoning = "".join(self.reasoning)
+        choice = protocol.Choice(stop_reason, "".join(self.text), reasoning or None,
+                                 logprobs=self.logprobs if self.req.logprobs else None)
+        outcome = protocol.Outcome(choice, usage, self.lse.context_length, timings, warnings)
+        data = self.reply.final_chunks(outcome) if self.req.stream else self.reply.response(outcome)
+        self.request.emit(Event(EVENT_END, data))
+
+    def _logprob(self, entry: dict[str, Any]) -> protocol.TokenLogprob:
+        decode = self.lse.model.tokenizer.decode
+        return protocol.TokenLogprob(decode([entry["token"]]), entry["logprob"],
+                                     [(decode([t]), lp) for t, lp in entry["top"]])
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
+def _check_model(lse: LSE, name: str | None) -> None:
+    """Requests may name the served model by id or path, or name none."""
+    if name in (None, "", lse.model_id, lse.model.source):
+        return
+    raise LSEError(f"the model {name!r} is not served here; this server serves {lse.model_id!r}",
+                   status=404, code="model_not_found", param="model")
+
+
+def lse_request_iter(lse: LSE, body: Any, endpoint: str = "chat") -> Iterator[Event]:
+    """lse_request as an iterator; leaving the loop early cancels the request."""
+    events: queue.Queue[Event] = queue.Queue()
+    request = lse_request(lse, body, events.put, endpoint)
+    try:
+        while True:
+            event = events.get()
+            yield event
+            if event.kind in (EVENT_END, EVENT_ERROR):
+                return
+    finally:
+        request.cancel()
+
+
+def lse_model_info(lse: LSE) -> dict[str, Any]:
+    """The model, its thinking levels, sampling defaults, devices and plan; ``served`` is its
+    /v1/models entry."""
+    served = protocol.model_entry(lse.model_id, int(lse.stats.started), lse.context_length,
+                                  lse.thinking.to_json(), lse.defaults)
+    placements = lse.plan.placements
+    return {
+        "object": "lse.model_info",
+        "id": lse.model_id,
+        "source": lse.model.source,
+        "architecture": lse.model.architecture,
+        "context_length": lse.context_length,
+        "trained_context_length": lse.model.trained_context,
+        "vocab_size": lse.model.tokenizer.vocab_size,
+        "thinking": served["thinking"],
+        "generation_defaults": served["generation_defaults"],
+        "devices": [_device_json(d.info) for d in lse.devices],
+        "plan": {"groups": len(placements),
+                 "cpu_fallback_groups": [p.fallback_cause for p in placements if p.fallback_cause is not None]},
+        "served": served,
+    }
+
+
+def lse_status(lse: LSE) -> dict[str, Any]:
+    """The engine's state: load, KV slots, CPU-fallback counters, request counters."""
+    return {
+        "object": "lse.status",
+        "model": lse.model_id,
+        "context_length": lse.context_length,
+        "devices": [_device_json(d.info) for d in lse.devices],
+        "declined": lse.registry.declined(),
+        "startup_warnings": lse.startup_warnings,
+        "engine": {"steps": lse.engine.steps, **lse.engine.load, "cpu_fallback": lse.fallback.to_json()},
+        "stats": lse.stats.to_json(),
+    }
+
+
+def _device_json(info: DeviceInfo) -> dict[str, Any]:
+    return {"name": info.name, "kind": info.kind, "codegen": info.codegen, "description": info.description}
