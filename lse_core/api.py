@@ -150,7 +150,10 @@ class Request:
     def emit(self, event: Event) -> None:
         if event.kind != EVENT_TOKEN:
             self.done.set()
-        self.on_event(event)
+        try:
+            self.on_event(event)
+        except Exception:   # a consumer's failure (a closed client) must never stop the engine's loop
+            log.exception("lse: the event consumer of a request failed")
 
 
 def lse_request(lse: LSE, body: Any, on_event: Callable[[Event], None], endpoint: str = "chat") -> Request:
@@ -243,9 +246,9 @@ class _ReplyBuilder:
         first = seq.t_first_token or seq.t_end
         timings = protocol.Timings(prompt_n, _ms(first - seq.t_admit), len(seq.output), _ms(seq.t_end - first))
         usage = protocol.Usage(len(seq.params.prompt), len(seq.output), seq.cached)
-        self._end(seq.stop_reason, usage, timings, [protocol.LSEWarning(c, n) for c, n in seq.fallbacks.items()])
         lse.stats.record(endpoint, seq.stop_reason, len(seq.params.prompt), seq.cached, len(seq.output),
                          seq.t_end - seq.t_submit, first - seq.t_submit)
+        self._end(seq.stop_reason, usage, timings, [protocol.LSEWarning(c, n) for c, n in seq.fallbacks.items()])
 
     def finish_empty(self, params: SeqParams) -> None:
         self._end(params.limit_reason, protocol.Usage(len(params.prompt), 0), protocol.Timings(0, 0.0, 0, 0.0), [])

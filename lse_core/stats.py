@@ -48,7 +48,7 @@ class Stats:
                 "cached_tokens": self.cached_tokens,
                 "completion_tokens": self.completion_tokens,
                 "latency_seconds": {"sum": round(self.latency_sum, 6),
-                                    "buckets": [{"le": b, "count": n}   # cumulative, as Prometheus
-                                                for b, n in zip(LATENCY_BUCKETS, self.latency_buckets)]},
+                                    "buckets": [{"le": "+Inf" if b == float("inf") else b, "count": n}   # cumulative
+                                            for b, n in zip(LATENCY_BUCKETS, self.latency_buckets)]},
                 "time_to_first_token_seconds": {"sum": round(self.ttft_sum, 6), "count": self.ttft_count},
             }

@@ -1,0 +1,357 @@
+"""The OpenAI-compatible starlette app: a thin transport over lse_core.api.
+
+Every JSON body a client receives is made by lse_core (protocol shapes, api results, LSEError
+bodies); this module moves bytes. It reads and bounds request bodies, bridges engine events (which
+arrive on the engine's thread) into asyncio, writes JSON or server-sent events, and cancels a
+request whose client has gone, so its sequence ends at the next engine step and frees its KV slot.
+
+The engine opens in a background thread: the server binds at once and /health answers 503
+{"status": "loading"} until the model is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from lse_core import api
+from lse_core.errors import LSEError, StartupError, invalid_request, server_error
+from lse_http.metrics import prometheus_text
+from lse_http.openapi import OPENAPI
+
+log = logging.getLogger("lse")
+
+MAX_BODY_BYTES = 8 << 20          # request bodies above this get 413 before they are read whole
+OPEN_PATHS = ("/health",)         # answered without the API key, so load balancers can probe
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class EngineLoader:
+    """Opens the engine in a thread; ``lse`` is None until it is ready. A startup failure calls
+    ``on_failure`` with the one-line reason (lse-server exits 1 from there)."""
+
+    def __init__(self, open_engine: Callable[[], api.LSE], on_failure: Callable[[str], None]) -> None:
+        self._open = open_engine
+        self._on_failure = on_failure
+        self.lse: api.LSE | None = None
+
+    def start(self) -> None:
+        threading.Thread(target=self._load, name="lse-load", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            lse = self._open()
+        except StartupError as e:
+            self._on_failure(str(e))
+            return
+        except Exception as e:   # a bug, not a bad option: keep the traceback in the log
+            log.exception("lse: startup failed")
+            self._on_failure(f"{type(e).__name__}: {e}")
+            return
+        self.lse = lse
+        log.info("lse: serving %s (context %d tokens)", lse.model_id, lse.context_length)
+
+    def close(self) -> None:
+        if self.lse is not None:
+            api.lse_close(self.lse)
+
+
+def create_app(open_engine: Callable[[], api.LSE], *, api_key: str | None = None,
+               on_load_failure: Callable[[str], None] = lambda reason: None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+    """The lse-server app. ``open_engine`` runs in a background thread at startup."""
+    loader = EngineLoader(open_engine, on_load_failure)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        loader.start()
+        yield
+        await run_in_threadpool(loader.close)
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
+        Route("/v1/lse/model_info", model_info, methods=["GET"]),
+        Route("/v1/lse/status", status, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+    ]
+    handlers = {LSEError: _lse_error, HTTPException: _http_error, Exception: _internal_error}
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app.state.loader = loader
+    app.state.max_body_bytes = max_body_bytes
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+
+
+# ---- the completion endpoints ----
+
+async def chat_completions(request: Request) -> Response:
+    return await _complete(request, "chat")
+
+
+async def completions(request: Request) -> Response:
+    return await _complete(request, "completion")
+
+
+async def _complete(request: Request, endpoint: str) -> Response:
+    """Start the request on the engine; answer with its JSON, or stream its chunks as SSE.
+
+    A stream's response starts only at the first event, so an error found before any token (a bad
+    field, a prompt that fills the context, a full queue) keeps its own HTTP status."""
+    body = await _read_json(request)
+    lse = _engine(request)
+    stream = isinstance(body, dict) and body.get("stream") is True
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[api.Event] = asyncio.Queue()
+
+    def on_event(event: api.Event) -> None:   # called on the engine's thread
+        if stream or event.kind != api.EVENT_TOKEN:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+    # lse_request renders and tokenizes the prompt: work for a thread, not the event loop
+    handle = await run_in_threadpool(api.lse_request, lse, body, on_event, endpoint)
+    first = await _event_unless_disconnected(request, events)
+    if first is None:
+        handle.cancel()
+        return Response(status_code=499)   # nobody reads it; the client is gone
+    if first.kind == api.EVENT_ERROR:
+        return _json(first.data, first.status)
+    if not stream:
+        return _json(first.data)
+    return EventStream(first, events, handle)
+
+
+async def _event_unless_disconnected(request: Request, events: asyncio.Queue[api.Event]) -> api.Event | None:
+    """The next event, or None when the client disconnects first."""
+    next_event = asyncio.ensure_future(events.get())
+    disconnect = asyncio.ensure_future(_disconnected(request.receive))
+    done, _ = await asyncio.wait((next_event, disconnect), return_when=asyncio.FIRST_COMPLETED)
+    for task in (next_event, disconnect):
+        task.cancel()
+    return next_event.result() if next_event in done else None
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStream(StreamingResponse):
+    """A request's chunks as server-sent events. However the response ends (the last chunk sent, or
+    starlette cancelling it within a millisecond of the client closing, even before the first
+    chunk), the request is cancelled; that is a no-op for a request that has already ended."""
+
+    def __init__(self, first: api.Event, events: asyncio.Queue[api.Event], handle: api.Request) -> None:
+        super().__init__(_sse(first, events), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.handle = handle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.handle.cancel()
+
+
+async def _sse(event: api.Event, events: asyncio.Queue[api.Event]) -> AsyncIterator[bytes]:
+    """``data: {...}`` per chunk, then ``data: [DONE]``; an error after the first event is sent in
+    the stream, in the same shape as an error response."""
+    while event.kind == api.EVENT_TOKEN:
+        yield _sse_event(event.data)
+        event = await events.get()
+    for chunk in event.data if event.kind == api.EVENT_END else [event.data]:
+        yield _sse_event(chunk)
+    yield SSE_DONE
+
+
+def _sse_event(data: Any) -> bytes:
+    return b"data: " + _dumps(data) + b"\n\n"
+
+
+# ---- models, status, health ----
+
+async def list_models(request: Request) -> Response:
+    return _json({"object": "list", "data": [_model_entry(request)]})
+
+
+async def get_model(request: Request) -> Response:
+    entry = _model_entry(request)
+    model_id = request.path_params["model_id"]
+    if model_id != entry["id"]:
+        raise LSEError(f"the model {model_id!r} is not served here; this server serves {entry['id']!r}",
+                       status=404, code="model_not_found", param="model")
+    return _json(entry)
+
+
+def _model_entry(request: Request) -> dict[str, Any]:
+    return api.lse_model_info(_engine(request))["served"]
+
+
+async def model_info(request: Request) -> Response:
+    return _json(api.lse_model_info(_engine(request)))
+
+
+async def status(request: Request) -> Response:
+    return _json(api.lse_status(_engine(request)))
+
+
+async def health(request: Request) -> Response:
+    if request.app.state.loader.lse is None:
+        return _json({"status": "loading"}, 503)
+    return _json({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    lse = _engine(request)
+    text = prometheus_text(lse.stats.to_json(), lse.engine.load, lse.fallback.to_json())
+    return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def openapi(request: Request) -> Response:
+    return _json(OPENAPI)
+
+
+# ---- tokenizer ----
+
+async def tokenize(request: Request) -> Response:
+    """{"content": str, "add_special": bool (default false)} -> {"tokens": [int...]}, as llama.cpp's."""
+    body = _object(await _read_json(request))
+    tokenizer = _engine(request).model.tokenizer
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise invalid_request("content must be a string", "missing_field" if content is None else "invalid_type",
+                              "content")
+    add_special = body.get("add_special", False)
+    if not isinstance(add_special, bool):
+        raise invalid_request("add_special must be a boolean", "invalid_type", "add_special")
+    tokens = await run_in_threadpool(tokenizer.encode, content, add_special)
+    return _json({"tokens": tokens})
+
+
+async def detokenize(request: Request) -> Response:
+    """{"tokens": [int...]} -> {"content": str}."""
+    body = _object(await _read_json(request))
+    tokenizer = _engine(request).model.tokenizer
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        raise invalid_request("tokens must be an array of token ids",
+                              "missing_field" if tokens is None else "invalid_type", "tokens")
+    for i, token in enumerate(tokens):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < tokenizer.vocab_size:
+            code = "invalid_value" if isinstance(token, int) and not isinstance(token, bool) else "invalid_type"
+            raise invalid_request(f"tokens[{i}] must be a token id from 0 to {tokenizer.vocab_size - 1}",
+                                  code, f"tokens[{i}]")
+    content = await run_in_threadpool(tokenizer.decode, tokens)
+    return _json({"content": content})
+
+
+# ---- bodies, errors, auth ----
+
+async def _read_json(request: Request) -> Any:
+    """The body as JSON; 413 as soon as it is known to exceed the limit, 400 invalid_json."""
+    limit = request.app.state.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as e:   # UnicodeDecodeError is a ValueError
+        raise invalid_request(f"the request body is not valid JSON: {e}", "invalid_json") from None
+
+
+def _too_large(limit: int) -> LSEError:
+    return LSEError(f"the request body is larger than {limit} bytes", status=413, code="body_too_large")
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise invalid_request("the request body must be a JSON object", "invalid_type")
+    return body
+
+
+def _engine(request: Request) -> api.LSE:
+    lse = request.app.state.loader.lse
+    if lse is None:
+        raise server_error("the model is still loading; retry when /health answers 200", code="loading",
+                           status=503)
+    return lse
+
+
+def _dumps(data: Any) -> bytes:
+    return json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_dumps(data), status, headers, media_type="application/json")
+
+
+async def _lse_error(request: Request, e: Exception) -> Response:
+    assert isinstance(e, LSEError)
+    return _json(e.body(), e.status, {"Retry-After": "1"} if e.status == 503 else None)
+
+
+async def _http_error(request: Request, e: Exception) -> Response:
+    """Starlette's 404 (no route) and 405 (wrong method) in the API's error shape."""
+    assert isinstance(e, HTTPException)
+    if e.status_code == 404:
+        error = LSEError(f"no route {request.method} {request.url.path}", status=404, code="not_found")
+    elif e.status_code == 405:
+        error = LSEError(f"{request.url.path} does not accept {request.method}; it accepts "
+                         f"{(e.headers or {}).get('Allow', 'other methods')}", status=405, code="method_not_allowed")
+    else:
+        error = LSEError(str(e.detail), status=e.status_code, code="http_error")
+    return _json(error.body(), e.status_code, e.headers)
+
+
+async def _internal_error(request: Request, e: Exception) -> Response:
+    """Any other exception: a 500 in the error shape (uvicorn logs the traceback)."""
+    return _json(server_error(f"internal error: {type(e).__name__}: {e}").body(), 500)
+
+
+class APIKeyMiddleware:
+    """``Authorization: Bearer <key>`` on every path but /health; 401 authentication_error otherwise."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not hmac.compare_digest(given, self.expected):
+                problem = "is missing" if not given else "is not this server's key"
+                error = LSEError(f"the API key {problem}; send Authorization: Bearer <key>", status=401,
+                                 type="authentication_error", code="invalid_api_key")
+                response = _json(error.body(), 401, {"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,259 @@
+"""The OpenAPI 3.1 document served at /openapi.json, written by hand from spec/API.md and
+lse_core/protocol.py. Its schemas are JSON Schema 2020-12; tests/test_server.py validates real
+responses against them, so a change to a shape must change this file too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def obj(required: list[str], properties: dict[str, Any], **more: Any) -> dict[str, Any]:
+    return {"type": "object", "required": required, "properties": properties, **more}
+
+
+def nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def json_body(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+STRING, INTEGER, NUMBER, BOOLEAN = ({"type": t} for t in ("string", "integer", "number", "boolean"))
+COUNT = {"type": "integer", "minimum": 0}
+STOP_REASON = {"enum": ["stop_token", "stop_sequence", "max_tokens", "context_full", "cancelled"]}
+FINISH_REASON = {"enum": ["stop", "length", "tool_calls", None]}
+ERRORS = {str(status): {"$ref": f"#/components/responses/Error{status}"} for status in (400, 401, 404, 413, 500, 503)}
+
+SAMPLING_FIELDS = {
+    "model": {"type": "string", "description": "must name the served model when sent"},
+    "stream": BOOLEAN,
+    "stream_options": nullable(obj([], {"include_usage": BOOLEAN})),
+    "max_tokens": nullable({"type": "integer", "minimum": 1}),
+    "max_completion_tokens": nullable({"type": "integer", "minimum": 1}),
+    "stop": nullable({"anyOf": [{"type": "string", "minLength": 1},
+                                {"type": "array", "maxItems": 4, "items": {"type": "string", "minLength": 1}}]}),
+    "n": nullable({"const": 1}),
+    "temperature": nullable(NUMBER),
+    "top_k": nullable({"type": "integer", "minimum": -1}),
+    "top_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
+    "min_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
+    "presence_penalty": nullable(NUMBER),
+    "repetition_penalty": nullable({"type": "number", "exclusiveMinimum": 0}),
+    "frequency_penalty": nullable(NUMBER),
+    "seed": nullable({"type": "integer", "minimum": 0}),
+    "reasoning_effort": nullable(STRING),
+    "thinking_level": nullable(STRING),
+    "reasoning": nullable(obj([], {"effort": STRING})),
+    "enable_thinking": nullable(BOOLEAN),
+    "thinking": nullable({"anyOf": [BOOLEAN, obj(["type"], {"type": {"enum": ["enabled", "disabled"]}})]}),
+    "chat_template_kwargs": nullable(obj([], {"enable_thinking": BOOLEAN, "reasoning_effort": STRING})),
+}
+
+MESSAGE = obj(["role"], {
+    "role": {"enum": ["system", "user", "assistant", "tool", "developer"]},
+    "content": nullable({"anyOf": [STRING, {"type": "array", "items": obj(["type", "text"], {
+        "type": {"const": "text"}, "text": STRING})}]}),
+    "name": STRING,
+    "tool_calls": {"type": "array", "items": obj(["function"], {"function": obj(["name"], {"name": STRING})})},
+    "tool_call_id": STRING,
+    "reasoning_content": STRING,
+})
+
+CLOSING = {   # what a whole response and a stream's final chunk carry
+    "lse_context": ref("LSEContext"),
+    "timings": ref("Timings"),
+    "lse_warnings": {"type": "array", "items": ref("LSEWarning")},
+}
+
+CHAT_MESSAGE = obj(["role", "content"], {
+    "role": {"const": "assistant"}, "content": nullable(STRING), "reasoning_content": STRING,
+    "tool_calls": {"type": "array", "items": {"type": "object"}}})
+CHAT_DELTA = obj([], {"role": {"const": "assistant"}, "content": STRING, "reasoning_content": STRING,
+                      "tool_calls": {"type": "array", "items": {"type": "object"}}})
+LOGPROBS = nullable({"type": "object"})
+
+
+def completion_object(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
+    return obj(["id", "object", "created", "model", "choices", "usage", "lse_context", "timings"], {
+        "id": STRING, "object": {"const": kind}, "created": INTEGER, "model": STRING,
+        "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": choice},
+        "usage": ref("Usage"), **CLOSING})
+
+
+def chunk_object(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
+    """A streamed chunk: a delta (stop_reason null), the final chunk (finish/stop_reason, lse_context,
+    timings) or the usage chunk (choices empty)."""
+    return obj(["id", "object", "created", "model", "choices"], {
+        "id": STRING, "object": {"const": kind}, "created": INTEGER, "model": STRING,
+        "choices": {"type": "array", "maxItems": 1, "items": choice},
+        "usage": nullable(ref("Usage")), **CLOSING})
+
+
+def choice(required: list[str], content: dict[str, Any], stop_reason: dict[str, Any]) -> dict[str, Any]:
+    return obj(["index", *required, "finish_reason", "stop_reason", "logprobs"],
+               {"index": {"const": 0}, **content, "finish_reason": FINISH_REASON, "stop_reason": stop_reason,
+                "logprobs": LOGPROBS})
+
+
+SCHEMAS: dict[str, Any] = {
+    "Error": obj(["error"], {"error": obj(["message", "type", "code", "param"], {
+        "message": STRING, "type": STRING, "code": nullable(STRING), "param": nullable(STRING),
+        "levels": {"type": "array", "items": STRING, "description": "thinking errors: the model's level ids"},
+        "lse_context": ref("LSEContext"),
+    })}),
+    "ChatCompletionRequest": obj(["messages"], {"messages": {"type": "array", "minItems": 1, "items": MESSAGE},
+                                                "logprobs": nullable(BOOLEAN),
+                                                "top_logprobs": nullable({"type": "integer", "minimum": 0,
+                                                                          "maximum": 20}),
+                                                "tools": nullable({"type": "array", "items": {"type": "object"}}),
+                                                "tool_choice": nullable({"anyOf": [STRING, {"type": "object"}]}),
+                                                **SAMPLING_FIELDS}),
+    "CompletionRequest": obj(["prompt"], {
+        "prompt": {"anyOf": [{"type": "string", "minLength": 1},
+                             {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                             {"type": "array", "minItems": 1, "maxItems": 1}]},
+        "logprobs": nullable({"type": "integer", "minimum": 0, "maximum": 5}),
+        "echo": nullable(BOOLEAN), **SAMPLING_FIELDS}),
+    "ChatCompletion": completion_object("chat.completion", choice(["message"], {"message": CHAT_MESSAGE},
+                                                                  STOP_REASON)),
+    "ChatCompletionChunk": chunk_object("chat.completion.chunk", choice(["delta"], {"delta": CHAT_DELTA},
+                                                                        nullable(STOP_REASON))),
+    "TextCompletion": completion_object("text_completion", choice(["text"], {
+        "text": STRING, "reasoning_content": STRING}, STOP_REASON)),
+    "TextCompletionChunk": chunk_object("text_completion", choice(["text"], {
+        "text": STRING, "reasoning_content": STRING}, nullable(STOP_REASON))),
+    "Usage": obj(["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"], {
+        "prompt_tokens": COUNT, "completion_tokens": COUNT, "total_tokens": COUNT,
+        "prompt_tokens_details": obj(["cached_tokens"], {"cached_tokens": COUNT})}),
+    "LSEContext": obj(["tokens_used", "context_length", "tokens_remaining"], {
+        "tokens_used": COUNT, "context_length": COUNT, "tokens_remaining": COUNT}),
+    "Timings": obj(["prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms",
+                    "predicted_per_second"], {
+        "prompt_n": COUNT, "prompt_ms": NUMBER, "prompt_per_second": NUMBER,
+        "predicted_n": COUNT, "predicted_ms": NUMBER, "predicted_per_second": NUMBER}),
+    "LSEWarning": obj(["type", "cause", "count"], {"type": {"const": "cpu_fallback"}, "cause": STRING,
+                                                   "count": COUNT}),
+    "Thinking": obj(["supported", "source", "toggle", "effort", "default_level", "levels"], {
+        "supported": BOOLEAN, "source": nullable(STRING), "toggle": nullable({"const": "enable_thinking"}),
+        "effort": nullable({"const": "reasoning_effort"}), "default_level": nullable(STRING),
+        "levels": {"type": "array", "items": obj(
+            ["id", "enable_thinking", "reasoning_effort", "instruction", "opens_reasoning", "default"], {
+                "id": STRING, "enable_thinking": nullable(BOOLEAN), "reasoning_effort": nullable(STRING),
+                "instruction": nullable(STRING), "opens_reasoning": BOOLEAN, "default": BOOLEAN})}}),
+    "GenerationDefaults": obj(["temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                               "max_new_tokens", "max_length", "sources"], {
+        "temperature": NUMBER, "top_k": INTEGER, "top_p": NUMBER, "min_p": NUMBER,
+        "repetition_penalty": NUMBER, "presence_penalty": NUMBER,
+        "max_new_tokens": nullable(INTEGER), "max_length": nullable(INTEGER),
+        "sources": {"type": "object", "additionalProperties": {
+            "enum": ["generation_config.json", "config.json", "server_option", "lse_default"]}}}),
+    "Model": obj(["id", "object", "created", "owned_by", "context_length", "thinking", "generation_defaults"], {
+        "id": STRING, "object": {"const": "model"}, "created": INTEGER, "owned_by": STRING,
+        "context_length": COUNT, "thinking": ref("Thinking"), "generation_defaults": ref("GenerationDefaults")}),
+    "ModelList": obj(["object", "data"], {"object": {"const": "list"}, "data": {"type": "array",
+                                                                               "items": ref("Model")}}),
+    "Device": obj(["name", "kind", "codegen", "description"], {
+        "name": STRING, "kind": {"enum": ["gpu", "cpu", "accelerator"]}, "codegen": BOOLEAN,
+        "description": STRING}),
+    "ModelInfo": obj(["object", "id", "source", "architecture", "context_length", "thinking",
+                      "generation_defaults", "devices", "plan", "served"], {
+        "object": {"const": "lse.model_info"}, "id": STRING, "source": STRING, "architecture": STRING,
+        "context_length": COUNT, "trained_context_length": COUNT, "vocab_size": COUNT,
+        "thinking": ref("Thinking"), "generation_defaults": ref("GenerationDefaults"),
+        "devices": {"type": "array", "items": ref("Device")},
+        "plan": obj(["groups", "cpu_fallback_groups"], {"groups": COUNT, "cpu_fallback_groups": {
+            "type": "array", "items": STRING}}),
+        "served": ref("Model")}),
+    "Status": obj(["object", "model", "context_length", "devices", "engine", "stats"], {
+        "object": {"const": "lse.status"}, "model": STRING, "context_length": COUNT,
+        "devices": {"type": "array", "items": ref("Device")},
+        "declined": {"type": "array", "items": STRING}, "startup_warnings": {"type": "array", "items": STRING},
+        "engine": obj(["steps", "running", "waiting", "slots", "free_slots", "cpu_fallback"], {
+            "steps": COUNT, "running": COUNT, "waiting": COUNT, "slots": COUNT, "free_slots": COUNT,
+            "cpu_fallback": ref("CPUFallback")}),
+        "stats": obj(["requests", "prompt_tokens", "cached_tokens", "completion_tokens"], {
+            "uptime_s": NUMBER,
+            "requests": {"type": "array", "items": obj(["endpoint", "outcome", "count"], {
+                "endpoint": STRING, "outcome": STRING, "count": COUNT})},
+            "prompt_tokens": COUNT, "cached_tokens": COUNT, "completion_tokens": COUNT})}),
+    "CPUFallback": obj(["allowed", "total", "events"], {
+        "allowed": BOOLEAN, "total": COUNT,
+        "events": {"type": "array", "items": obj(["cause", "count"], {"cause": STRING, "count": COUNT})}}),
+    "Health": obj(["status"], {"status": {"enum": ["ok", "loading"]}}),
+    "TokenizeRequest": obj(["content"], {"content": STRING, "add_special": BOOLEAN}),
+    "Tokens": obj(["tokens"], {"tokens": {"type": "array", "items": COUNT}}),
+    "Content": obj(["content"], {"content": STRING}),
+}
+
+ERROR_TEXT = {400: "invalid request (invalid_json, invalid_type, invalid_value, missing_field, context_full, "
+                   "thinking errors...)",
+              401: "missing or wrong API key (authentication_error, invalid_api_key)",
+              404: "no such route or model", 413: "request body over 8 MiB",
+              500: "server_error: an engine failure, or CPU fallback disabled: <group>",
+              503: "the model is loading, or the request queue is full"}
+
+
+def completion_path(summary: str, request: str, response: str, chunk: str) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
+        "responses": {
+            "200": {"description": f"a {response}, or with stream: true server-sent events: `data: <{chunk}>` "
+                                   "lines, `data: <Error>` if the request fails after streaming began, then "
+                                   "`data: [DONE]`",
+                    "content": {"application/json": {"schema": ref(response)},
+                                "text/event-stream": {"schema": {"type": "string"}}}},
+            **ERRORS}}}
+
+
+def get(summary: str, schema: str, *errors: int, media: str = "application/json") -> dict[str, Any]:
+    return {"get": {"summary": summary, "responses": {
+        "200": {"description": summary, "content": {media: {"schema": ref(schema) if schema else STRING}}},
+        **{str(s): ERRORS[str(s)] for s in errors}}}}
+
+
+def post(summary: str, request: str, response: str) -> dict[str, Any]:
+    return {"post": {"summary": summary,
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
+                     "responses": {"200": json_body(ref(response), summary), "400": ERRORS["400"],
+                                   "503": ERRORS["503"]}}}
+
+
+OPENAPI: dict[str, Any] = {
+    "openapi": "3.1.0",
+    "info": {"title": "LSE", "version": "0.1.0",
+             "description": "LSE's OpenAI-compatible API, with LSE's own fields (stop_reason, lse_context, "
+                            "timings, lse_warnings, thinking levels, generation defaults)."},
+    "components": {
+        "schemas": SCHEMAS,
+        "responses": {f"Error{status}": json_body(ref("Error"), text) for status, text in ERROR_TEXT.items()},
+        "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer",
+                                       "description": "only when lse-server runs with --api-key"}},
+    },
+    "security": [{}, {"apiKey": []}],
+    "paths": {
+        "/v1/chat/completions": completion_path("Chat completion", "ChatCompletionRequest", "ChatCompletion",
+                                                "ChatCompletionChunk"),
+        "/v1/completions": completion_path("Text completion", "CompletionRequest", "TextCompletion",
+                                           "TextCompletionChunk"),
+        "/v1/models": get("The served model", "ModelList", 503),
+        "/v1/models/{model_id}": {**get("One model", "Model", 404, 503),
+                                  "parameters": [{"name": "model_id", "in": "path", "required": True,
+                                                  "schema": STRING}]},
+        "/v1/lse/model_info": get("lse_model_info", "ModelInfo", 503),
+        "/v1/lse/status": get("lse_status", "Status", 503),
+        "/health": {"get": {"summary": "200 when the model is loaded, 503 while it loads", "security": [],
+                            "responses": {"200": json_body(ref("Health"), "ready"),
+                                          "503": json_body(ref("Health"), "loading")}}},
+        "/tokenize": post("Tokenize text (add_special defaults to false)", "TokenizeRequest", "Tokens"),
+        "/detokenize": post("Text of token ids", "Tokens", "Content"),
+        "/metrics": get("Prometheus metrics", "", 503, media="text/plain"),
+        "/openapi.json": {"get": {"summary": "This document", "responses": {"200": json_body({"type": "object"},
+                                                                                            "OpenAPI 3.1")}}},
+    },
+}
