@@ -1,0 +1,266 @@
+"""GGUF -> Model, with the gguf package (llama.cpp's reader).
+
+The file's metadata becomes a Hugging Face-style config dict, its tensors get Hugging Face names and
+shapes, so architecture files see what an HF directory gives them. Quantized matrices stay in their
+GGUF blocks (QuantTensor); F32/F16/BF16 tensors become float32.
+
+What is slow is GGUFReader parsing the vocabulary arrays element by element (SmolLM2's 49k tokens:
+~5 s; Gemma 3's 262k: over a minute) and rebuilding a SentencePiece vocabulary's merges (~5 s);
+tensor data is only memory-mapped. So the parsed header (config, tokenizer, template, tensor table)
+is cached under ``$LSE_CACHE_DIR`` (default ``~/.cache/lse``)/gguf/<content key>.json: a cached
+import of SmolLM2 takes ~0.3 s. Tensors are read from the file through numpy's memmap either way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+from tqdm import tqdm
+
+from lse_core.errors import StartupError
+
+from .gguf_tokenizer import build_tokenizer
+from .model import QUANT_BLOCKS, Model, QuantTensor, Weight
+from .tokenizer import Tokenizer
+
+CACHE_FORMAT = 2   # part of the cache key: bump it whenever the header's content changes
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+# GGUF tensor name -> Hugging Face name ({} is the layer index).
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Gemma's sandwich norms: its ffn_norm is the pre-FFN norm.
+_GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# generation_config fields llama.cpp's converter stores under general.sampling.*
+_SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                  "penalty_repeat": "repetition_penalty"}
+
+
+def load_gguf(path: str) -> Model:
+    """Import a .gguf file; raises StartupError for a file LSE cannot read or run."""
+    path = os.path.abspath(path)
+    header = _cached_header(path)
+    config = header["config"]
+    saved = header["tokenizer"]
+    tokenizer = Tokenizer(tokenizers.Tokenizer.from_str(saved["json"]), eos_ids=tuple(saved["eos_ids"]),
+                          bos_token=saved["bos_token"], eos_token=saved["eos_token"], special=saved["special"])
+    return Model(source=path, config=config, weights=_read_weights(path, config, header["tensors"]),
+                 tokenizer=tokenizer, generation_config=header["generation_config"],
+                 chat_template=header["chat_template"],
+                 chat_template_source=path if header["chat_template"] is not None else None)
+
+
+# ---- header: metadata -> config, tokenizer, template, tensor table (cached) ----
+
+def _cached_header(path: str) -> dict[str, Any]:
+    cache_file = _cache_dir() / f"{content_key(path)}.json"
+    try:
+        return json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        pass
+    header = _read_header(path)
+    try:  # a cache that cannot be written only costs the next start its seconds
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache_file.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(header))
+        os.replace(partial, cache_file)
+    except OSError:
+        pass
+    return header
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("LSE_CACHE_DIR") or Path.home() / ".cache" / "lse") / "gguf"
+
+
+def content_key(path: str, head_bytes: int = 32 << 20, samples: int = 16, sample_bytes: int = 64 << 10) -> str:
+    """A cheap key for a file's content: its size, its first 32 MiB (the whole metadata of any
+    usual file, where in-place metadata edits land) and evenly spaced samples of the rest."""
+    digest = hashlib.sha256(f"lse-gguf-{CACHE_FORMAT}".encode())
+    size = os.path.getsize(path)
+    digest.update(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(head_bytes))
+        for i in range(samples):
+            f.seek(head_bytes + (size - head_bytes) * i // samples if size > head_bytes else size)
+            digest.update(f.read(sample_bytes))
+    return digest.hexdigest()
+
+
+def _read_header(path: str) -> dict[str, Any]:
+    from gguf import GGUFReader
+
+    with tqdm(total=2, desc=f"importing {os.path.basename(path)}", unit="step", disable=None) as bar:
+        bar.set_postfix_str("metadata")
+        try:
+            reader = GGUFReader(path)
+        except Exception as e:  # the reader raises ValueError, struct/numpy errors... on a bad file
+            raise StartupError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+        meta = {name: field.contents() for name, field in reader.fields.items()}
+        tensors = [(t.name, t.tensor_type.name, [int(d) for d in t.shape], int(t.data_offset), int(t.n_bytes))
+                   for t in reader.tensors]
+        config = _config(meta, {t[0] for t in tensors}, path)
+        for name, qtype, *_ in tensors:
+            if qtype not in FLOAT_TYPES and qtype not in QUANT_BLOCKS:
+                raise StartupError(f"{path}: tensor {name} has type {qtype}, which LSE does not support "
+                                   f"(supported: {', '.join(FLOAT_TYPES + tuple(QUANT_BLOCKS))})")
+        bar.update()
+        bar.set_postfix_str("tokenizer")
+        tokenizer = build_tokenizer(meta, path)
+        bar.update()
+    generation_config = {hf: meta[f"general.sampling.{key}"] for key, hf in _SAMPLING_KEYS.items()
+                         if f"general.sampling.{key}" in meta}
+    return {
+        "config": config,
+        "tokenizer": {"json": tokenizer.backend.to_str(), "eos_ids": list(tokenizer.eos_ids),
+                      "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+                      "special": tokenizer.special},
+        "chat_template": meta.get("tokenizer.chat_template"),
+        "generation_config": generation_config,
+        "tensors": tensors,
+    }
+
+
+def _config(meta: dict[str, Any], tensor_names: set[str], path: str) -> dict[str, Any]:
+    """Hugging Face config.json fields from llama.cpp's metadata keys."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise StartupError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    if hidden is None or heads is None or key("block_count") is None:
+        raise StartupError(f"{path}: metadata lacks {arch}.embedding_length, .block_count or .attention.head_count")
+    config: dict[str, Any] = {
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length") or key("rope.dimension_count") or hidden // heads,
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": key("rope.freq_base", 10000.0),
+        "max_position_embeddings": key("context_length", 4096),
+        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
+        # llama.cpp writes the output matrix only when it is not the embedding table
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        # HF's attention_bias puts biases on q, k, v and o; Qwen2's q/k/v-only biases need no flag
+        "attention_bias": "blk.0.attn_output.bias" in tensor_names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+    }
+    scaling = key("rope.scaling.type")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
+    elif scaling not in (None, "none"):
+        raise StartupError(f"{path}: rope scaling {scaling!r} is not supported (none, linear)")
+    if "rope_freqs.weight" in tensor_names:
+        raise StartupError(f"{path}: per-frequency rope factors (rope_freqs.weight) are not supported")
+    if arch == "gemma3":
+        config |= _gemma3_config(config, key)
+    return config
+
+
+def _gemma3_config(config: dict[str, Any], key: Any) -> dict[str, Any]:
+    """What Gemma 3 adds; llama.cpp's defaults where the file is silent (as in the 270M file)."""
+    layers = config["num_hidden_layers"]
+    pattern = key("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):   # one flag per layer, true = sliding
+        sliding = [bool(p) for p in pattern]
+    else:                           # every pattern-th layer is global
+        sliding = [(i + 1) % pattern != 0 for i in range(layers)]
+    return {
+        "sliding_window": key("attention.sliding_window", 4096),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "rope_local_base_freq": key("rope.freq_base_swa", 10000.0),
+        "query_pre_attn_scalar": config["head_dim"],
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+
+
+# ---- tensors ----
+
+def _read_weights(path: str, config: dict[str, Any], table: list[Any]) -> dict[str, Weight]:
+    arch = config["model_type"]
+    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    data = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)  # plain arrays over the mapping
+    weights: dict[str, Weight] = {}
+    for name, qtype, gguf_shape, offset, nbytes in table:
+        hf_name = _hf_name(name, layer_names, path)
+        tensor = _tensor(data[offset:offset + nbytes], qtype, tuple(reversed(gguf_shape)))
+        if arch == "llama" and ".attn_q." in name:
+            tensor = _unpermute_rows(tensor, config["num_attention_heads"])
+        elif arch == "llama" and ".attn_k." in name:
+            tensor = _unpermute_rows(tensor, config["num_key_value_heads"])
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added; HF keeps w
+            tensor = tensor - np.float32(1.0)
+        weights[hf_name] = tensor
+    return weights
+
+
+def _hf_name(name: str, layer_names: dict[str, str], path: str) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER_TENSOR.fullmatch(name)
+    if match and match[2] in layer_names:
+        return f"model.layers.{match[1]}.{layer_names[match[2]]}.{match[3]}"
+    raise StartupError(f"{path}: tensor {name} has no place in this architecture")
+
+
+def _tensor(raw: np.ndarray, qtype: str, shape: tuple[int, ...]) -> Weight:
+    """``shape`` is numpy order (GGUF lists dimensions innermost first)."""
+    if qtype == "F32":
+        return raw.view(np.float32).reshape(shape)
+    if qtype == "F16":
+        return raw.view(np.float16).reshape(shape).astype(np.float32)
+    if qtype == "BF16":
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    block_bytes, block_values = QUANT_BLOCKS[qtype]
+    quant = QuantTensor(qtype, raw.reshape(rows, cols // block_values * block_bytes), (rows, cols))
+    return quant if len(shape) == 2 else quant.dequantize().reshape(shape)
+
+
+def _unpermute_rows(tensor: Weight, n_heads: int) -> Weight:
+    """Undo convert_hf_to_gguf.py's ``permute`` of llama Q/K rows: within each head it interleaved
+    the two rotary halves (row i of half h went to 2i + h). Rows move whole, so quantized blocks do too."""
+    rows = tensor.shape[0]
+    order = np.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).swapaxes(1, 2).reshape(rows)
+    if isinstance(tensor, QuantTensor):
+        return QuantTensor(tensor.qtype, np.ascontiguousarray(tensor.data[order]), tensor.shape)
+    return np.ascontiguousarray(tensor[order])
