@@ -153,7 +153,8 @@ class Request:
         try:
             self.on_event(event)
         except Exception:   # a consumer's failure (a closed client) must never stop the engine's loop
-            log.exception("lse: the event consumer of a request failed")
+            log.exception("lse: the event consumer of a request failed; cancelling it")
+            self.cancel()
 
 
 def lse_request(lse: LSE, body: Any, on_event: Callable[[Event], None], endpoint: str = "chat") -> Request:

@@ -71,6 +71,7 @@ class Sequence:
         self._detok = detokenizer
         self._vocab = vocab
         self._pending = ""         # decoded text not yet released (may be the start of a stop string)
+        self._decoded = ""         # everything the incremental detokenizer has returned
 
     @property
     def tokens(self) -> list[int]:
@@ -99,7 +100,9 @@ class Sequence:
         if token in self.params.eos_ids:
             self._end(delta, "stop", "stop_token")
             return
-        self._pending += self._detok.step(self._vocab, token) or ""
+        piece = self._detok.step(self._vocab, token) or ""
+        self._decoded += piece
+        self._pending += piece
         cut = _find_stop(self._pending, self.params.stop)
         if cut is not None:
             self._pending = self._pending[:cut]
@@ -137,6 +140,8 @@ class Sequence:
 
     def _end(self, delta: Delta, finish_reason: str | None, stop_reason: str) -> None:
         """Release what was held back (no stop string can follow any more) and finish."""
+        if stop_reason != "stop_sequence":
+            self._pending += self._unfinished_tail()
         self._release(delta, self._pending)
         self._pending = ""
         if self.params.splitter is not None:
@@ -149,6 +154,13 @@ class Sequence:
         if delta.content or delta.reasoning or delta.token_ids:
             self.on_delta(self, delta)
         self.on_finish(self)
+
+    def _unfinished_tail(self) -> str:
+        """Text the incremental detokenizer still holds back (an incomplete UTF-8 character at the
+        end of the reply), decoded the way a whole-reply decode would show it."""
+        ids = [t for t in self.output if t not in self.params.eos_ids]
+        whole = self._vocab.decode(ids, skip_special_tokens=True)
+        return whole[len(self._decoded):] if whole.startswith(self._decoded) else ""
 
 
 def _find_stop(text: str, stops: list[str]) -> int | None:
