@@ -35,7 +35,7 @@ def load_model(path: str | None) -> Model:
         from .files import load_hf
 
         return load_hf(path)
-    if path.endswith(".gguf"):
+    if path.lower().endswith(".gguf"):
         from .gguf import load_gguf
 
         return load_gguf(path)

