@@ -85,11 +85,14 @@ def test_the_entry_point_names_this_module():
 
 
 def int8_activations(x: np.ndarray) -> np.ndarray:
-    """llama.cpp's Q8_1 activation rounding, written independently: per 32 values d = max|x| / 127."""
-    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float64)
-    d = np.abs(blocks).max(axis=-1, keepdims=True) / 127
-    q = np.round(np.divide(blocks, d, out=np.zeros_like(blocks), where=d > 0))
-    return (q * d).reshape(x.shape)
+    """llama.cpp's Q8_1 activation rounding, written independently: per 32 values d = max|x| / 127 and
+    q = round(x * (1 / d)), in float32 as the kernel computes it (a float64 division rounds values
+    that land on .5 differently, moving a q by one)."""
+    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    q = np.round(blocks * inv)
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
 
 
 def quantized(qtype: str, rows: int, cols: int) -> QuantTensor:
@@ -99,9 +102,26 @@ def quantized(qtype: str, rows: int, cols: int) -> QuantTensor:
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("n_rows", [1, 5, 33])
-def test_quantized_linear_is_the_dequantized_weight_times_int8_activations(jit, qtype, n_rows):
-    """37 output rows exercise the 4-row and 16-row tails. The kernel's integer block sums are exact,
-    so it differs from the float64 reference only by float32 rounding of ~10 block terms: 1e-5."""
+def test_quantized_linear_is_the_dequantized_weight_times_the_activations(jit, qtype, n_rows):
+    """The default: float32 activations against blocks decoded in registers, so the product is the
+    dequantized weight's up to float32 rounding."""
+    weight = quantized(qtype, 37, 320)
+    bias = RNG.standard_normal(37).astype(np.float32)
+    x = RNG.standard_normal((n_rows, 320)).astype(np.float32)
+    kernel = compile_group(jit, [ir.Node("linear", ("x",), "y", ("w", "b"))], {"w": weight, "b": bias})
+    (out,) = kernel([x], make_step([(0, list(range(n_rows)), 0)]))
+    expected = x.astype(np.float64) @ weight.dequantize().astype(np.float64).T + bias
+    assert out.dtype == np.float32 and out.shape == (n_rows, 37)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n_rows", [1, 5, 33])
+def test_quantized_linear_with_int8_activations(jit, qtype, n_rows, monkeypatch):
+    """LSE_JIT_INT8=1: llama.cpp's arithmetic. 37 output rows exercise the 4-row and 16-row tails. The
+    kernel's integer block sums are exact, so it differs from the float64 reference only by float32
+    rounding of ~10 block terms: 1e-5."""
+    monkeypatch.setattr(quant, "INT8_ACTIVATIONS", True)
     weight = quantized(qtype, 37, 320)
     bias = RNG.standard_normal(37).astype(np.float32)
     x = RNG.standard_normal((n_rows, 320)).astype(np.float32)
@@ -115,8 +135,9 @@ def test_quantized_linear_is_the_dequantized_weight_times_int8_activations(jit, 
     assert np.abs(out - exact).max() < 0.01 * np.abs(exact).max()
 
 
-def test_portable_ir_gives_the_avx2_results(tmp_path):
+def test_portable_ir_gives_the_avx2_results(tmp_path, monkeypatch):
     """LSE_JIT_PORTABLE=1 (fresh numba cache) emits the generic vector IR; same sums, same floats up to order."""
+    monkeypatch.setattr(quant, "INT8_ACTIVATIONS", True)
     weights = {q: quantized(q, 21, 96) for q in ("Q4_0", "Q4_1", "Q8_0")}
     x = RNG.standard_normal((3, 96)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
@@ -130,7 +151,7 @@ def test_portable_ir_gives_the_avx2_results(tmp_path):
         "for q in ('Q4_0', 'Q4_1', 'Q8_0'):\n"
         "    np.save(f'{d}/{q}.out.npy', quant.QuantLinear(q, np.load(f'{d}/{q}.npy'), None, 4)(x))\n"
     )
-    env = dict(os.environ, LSE_JIT_PORTABLE="1", NUMBA_CACHE_DIR=str(tmp_path / "numba"),
+    env = dict(os.environ, LSE_JIT_PORTABLE="1", LSE_JIT_INT8="1", NUMBA_CACHE_DIR=str(tmp_path / "numba"),
                PYTHONPATH=str(Path(__file__).parents[1]))
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True, timeout=300)
     for qtype, w in weights.items():
@@ -386,18 +407,19 @@ def default_model_path() -> Path:
 
 
 def test_default_model_answers_like_the_interpreter(jit):
-    """SmolLM2-135M Q4_1 with its Q8_0 tied embedding, the blocks read in place. int8 activations add
-    ~0.5% noise per GEMV (round-off of 1/127 per block), which stays under 5% of the logit scale after
-    30 layers; the greedy answer is the interpreter's."""
+    """SmolLM2-135M Q4_1 with its Q8_0 tied embedding, the blocks read in place against float32
+    activations: logits equal the interpreter's (dequantized fp32) within 1e-4 of scale, so even this
+    prompt's near-tied first token (a 0.08 margin that int8 activations flip) comes out the same."""
     from lse_core.model.gguf import load_gguf
 
     model = load_gguf(str(default_model_path()))
     assert json.dumps(sorted({w.qtype for w in model.weights.values() if hasattr(w, "qtype")})) == '["Q4_1", "Q8_0"]'
     prompt = model.tokenizer.encode(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n", False)
     ctx = CompileContext(1, 64, 32)
     mine = greedy(jit_plan(model, jit, ctx), prompt, 8)
     reference = greedy(cpu_plan(model, ctx), prompt, 8)
     assert model.tokenizer.decode(mine[0]).startswith("The capital of France is Paris")
     assert mine[0] == reference[0]
-    assert_close(mine[1], reference[1], 0.05, "SmolLM2 Q4_1")
+    assert_close(mine[1], reference[1], 1e-4, "SmolLM2 Q4_1")
