@@ -1,0 +1,68 @@
+"""Backend discovery through entry points (one bad plugin never stops the others) and --pool parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+from lse_core.devices.registry import discover, parse_pool, resolve_pool
+from lse_core.errors import StartupError
+
+RAISING_PLUGIN = '''
+from lse_core.devices.hookspec import hookimpl
+
+@hookimpl
+def lse_backend():
+    raise RuntimeError("driver exploded")
+'''
+
+
+@pytest.fixture
+def bad_plugins(tmp_path, monkeypatch):
+    """Two installed plugins: one whose module does not import, one whose hook raises."""
+    dist = tmp_path / "bad_lse_plugins-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: bad-lse-plugins\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[lse.backends]\nbroken = lse_no_such_module_anywhere\nexploding = lse_exploding_plugin\n")
+    (tmp_path / "lse_exploding_plugin.py").write_text(RAISING_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_bad_plugins_are_reported_by_name_and_the_others_load(bad_plugins):
+    registry = discover()
+    assert set(registry.failures) == {"broken", "exploding"}
+    assert "failed to import" in registry.failures["broken"]
+    assert "lse_no_such_module_anywhere" in registry.failures["broken"]
+    assert "driver exploded" in registry.failures["exploding"]
+    assert "cpu" in registry.backends and registry.devices("cpu")[0].declined is None
+    assert {"broken: ", "exploding: "} <= {line[: line.index(" ") + 1] for line in registry.declined()}
+
+
+def test_pool_syntax_errors_name_the_bad_entry():
+    assert parse_pool("gpu:0, opencl:1,cpu:0") == [("gpu", 0), ("opencl", 1), ("cpu", 0)]
+    for text, bad in [("opencl", "opencl"), ("gpu:x", "gpu:x"), ("cuda:0,,cpu:0", ""), ("CPU:0", "CPU:0")]:
+        with pytest.raises(StartupError, match=f"--pool entry '{bad}' is not <backend>:<index>"):
+            parse_pool(text)
+    with pytest.raises(StartupError, match="names a device twice"):
+        parse_pool("cpu:0,cpu:0")
+
+
+def test_unknown_backend_and_missing_gpu_fail_startup_naming_the_device(monkeypatch):
+    monkeypatch.setenv("LSE_BACKENDS", "cuda")
+    registry = discover()
+    with pytest.raises(StartupError, match=r"device tpu:0 did not come up: no backend named 'tpu'"):
+        resolve_pool(registry, "tpu:0", refuse_cpu=False)
+    with pytest.raises(StartupError, match=r"device gpu:0 did not come up: 0 GPU\(s\) found; cuda: "):
+        resolve_pool(registry, "gpu:0", refuse_cpu=False)
+    with pytest.raises(StartupError, match=r"device cuda:0 did not come up: "):
+        resolve_pool(registry, "cuda:0", refuse_cpu=False)
+
+
+def test_default_pool_prefers_compiled_cpu_kernels_over_an_opencl_cpu_driver():
+    registry = discover()
+    up = {d.name for d in registry.all_devices() if d.declined is None}
+    assert {"jit:0", "opencl:0", "cpu:0"} <= up, "this test needs numba and PoCL"
+    chosen, warnings = resolve_pool(registry, None, refuse_cpu=True)
+    assert [d.name for d in chosen] == ["jit:0"] and warnings == []
+    several, _ = resolve_pool(registry, "opencl:0,jit:0", refuse_cpu=True)
+    assert [d.name for d in several] == ["opencl:0", "jit:0"]
