@@ -31,6 +31,7 @@ from lse_core.template.probe import Thinking, probe
 from lse_core.template.reasoning import reasoning_splitter
 from lse_core.template.render import ChatTemplate
 from lse_core.template.thinking import resolve_level, template_variables
+from lse_core.tools import ToolCallParser, tool_call_format
 
 log = logging.getLogger("lse")
 
@@ -225,16 +226,18 @@ class _ReplyBuilder:
         self.text = [echo]
         self.reasoning: list[str] = []
         self.logprobs: list[protocol.TokenLogprob] = []
+        self.tool_parser = _tool_call_parser(lse, req)
         if echo and req.stream:
             self.request.emit(Event(EVENT_TOKEN, self.reply.chunk(text=echo)))
 
     def on_delta(self, seq: Sequence, delta: Delta) -> None:
         logprobs = [self._logprob(entry) for entry in delta.logprobs]
-        self.text.append(delta.content)
+        content = self.tool_parser.feed(delta.content) if self.tool_parser else delta.content
+        self.text.append(content)
         self.reasoning.append(delta.reasoning)
         self.logprobs.extend(logprobs)
-        if delta.content or delta.reasoning or logprobs:
-            self.request.emit(Event(EVENT_TOKEN, self.reply.chunk(delta.content, delta.reasoning, logprobs)))
+        if content or delta.reasoning or logprobs:
+            self.request.emit(Event(EVENT_TOKEN, self.reply.chunk(content, delta.reasoning, logprobs)))
 
     def on_finish(self, seq: Sequence) -> None:
         lse, endpoint = self.lse, self.request.endpoint
@@ -257,17 +260,39 @@ class _ReplyBuilder:
 
     def _end(self, stop_reason: str, usage: protocol.Usage, timings: protocol.Timings,
              warnings: list[protocol.LSEWarning]) -> None:
+        tool_calls = self._finish_tool_calls()
         reasoning = "".join(self.reasoning)
-        choice = protocol.Choice(stop_reason, "".join(self.text), reasoning or None,
+        choice = protocol.Choice(stop_reason, "".join(self.text), reasoning or None, tool_calls or None,
                                  logprobs=self.logprobs if self.req.logprobs else None)
         outcome = protocol.Outcome(choice, usage, self.lse.context_length, timings, warnings)
         data = self.reply.final_chunks(outcome) if self.req.stream else self.reply.response(outcome)
         self.request.emit(Event(EVENT_END, data))
 
+    def _finish_tool_calls(self) -> list[dict[str, Any]]:
+        """The reply's tool calls; a stream gets the content the parser held back, then the calls in one chunk."""
+        if self.tool_parser is None:
+            return []
+        held, calls = self.tool_parser.finish()
+        self.text.append(held)
+        if self.req.stream and held:
+            self.request.emit(Event(EVENT_TOKEN, self.reply.chunk(held)))
+        if self.req.stream and calls:
+            self.request.emit(Event(EVENT_TOKEN, self.reply.chunk(tool_calls=calls)))
+        return calls
+
     def _logprob(self, entry: dict[str, Any]) -> protocol.TokenLogprob:
         decode = self.lse.model.tokenizer.decode
         return protocol.TokenLogprob(decode([entry["token"]]), entry["logprob"],
                                      [(decode([t]), lp) for t, lp in entry["top"]])
+
+
+def _tool_call_parser(lse: LSE, req: protocol.GenerationRequest) -> ToolCallParser | None:
+    """A parser for the reply's tool calls when the request offered tools the model may call and the
+    template shows the model a call format."""
+    if not req.tools or req.tool_choice == "none" or lse.template is None:
+        return None
+    call_format = tool_call_format(lse.template.source)
+    return ToolCallParser(call_format) if call_format else None
 
 
 def _ms(seconds: float) -> float:

@@ -1,0 +1,232 @@
+"""Tool calls in replies: the streaming parser, and the JSON a client sees end to end.
+
+A random model never writes a tool call. So the end-to-end tests make it, as test_thinking_e2e.py does:
+the tokenizer gains `<tool_call>`, `</tool_call>` and one whole call's JSON as added tokens, and the
+model's vocabulary is permuted so that the tokens it greedily emits at chosen steps become those tokens and
+then the end-of-turn token. The permuted model is exactly the original one with those ids renamed, so
+transformers' greedy ids on the original checkpoint say which text comes before the call."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tokenizers
+from checkpoints import train_tokenizer, write_checkpoint
+from test_api_contract import hf_reference, open_engine, render_reference, reply, streamed, streamed_text
+from test_thinking_e2e import renamed
+
+from lse_core.api import LSE
+from lse_core.tools import HERMES, MISTRAL, ToolCallParser, tool_call_format
+
+TEMPLATES = Path("/work/shared/fixtures/chat_templates")
+CALL = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+CALL_JSON = json.dumps(CALL)
+CALL_ID = re.compile(r"call_[0-9a-f]{24}")
+
+
+def call_of(call: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A returned call checked for OpenAI's shape: its name and its decoded arguments."""
+    assert set(call) == {"id", "type", "function"} and call["type"] == "function"
+    assert CALL_ID.fullmatch(call["id"]) and set(call["function"]) == {"name", "arguments"}
+    assert isinstance(call["function"]["arguments"], str)
+    return call["function"]["name"], json.loads(call["function"]["arguments"])
+
+
+def parse(deltas: list[str], call_format=HERMES) -> tuple[list[str], list[dict[str, Any]]]:
+    """The content streamed for each delta, then the held-back content, and the calls."""
+    parser = ToolCallParser(call_format)
+    streamed_content = [parser.feed(delta) for delta in deltas]
+    held, calls = parser.finish()
+    return [*streamed_content, held], calls
+
+
+# ---- the format, from the template's text ----
+
+@pytest.mark.parametrize("name, expected", [
+    ("Qwen-Qwen2.5-7B-Instruct", HERMES), ("Qwen-Qwen3-0.6B", HERMES),
+    ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use", HERMES),
+    ("mistralai-Mistral-Nemo-Instruct-2407", MISTRAL),
+    ("HuggingFaceTB-SmolLM2-135M-Instruct", None), ("meta-llama-Llama-3.2-3B-Instruct", None)])
+def test_format_comes_from_the_template(name: str, expected) -> None:
+    assert tool_call_format((TEMPLATES / f"{name}.jinja").read_text()) == expected
+
+
+# ---- the parser ----
+
+REPLY = f'Let me check.\n<tool_call>\n{CALL_JSON}\n</tool_call>'
+
+
+@pytest.mark.parametrize("split", range(len(REPLY) + 1))
+def test_a_split_anywhere_gives_the_same_reply(split: int) -> None:
+    content, calls = parse([REPLY[:split], REPLY[split:]])
+    assert "".join(content) == "Let me check."
+    assert [call_of(c) for c in calls] == [("get_weather", CALL["arguments"])]
+    assert not any("<" in part for part in content)     # no part of a marker is ever streamed
+
+
+def test_character_by_character() -> None:
+    content, calls = parse(list(REPLY))
+    assert "".join(content) == "Let me check." and len(calls) == 1
+
+
+def test_calls_only_have_no_content() -> None:
+    second = {"name": "get_time", "arguments": {"zone": "CET"}}
+    text = f'<tool_call>\n{CALL_JSON}\n</tool_call>\n<tool_call>\n{json.dumps(second)}\n</tool_call>\n'
+    for deltas in ([text], list(text)):
+        content, calls = parse(deltas)
+        assert "".join(content) == ""
+        assert [call_of(c) for c in calls] == [("get_weather", CALL["arguments"]), ("get_time", {"zone": "CET"})]
+        assert calls[0]["id"] != calls[1]["id"]
+
+
+def test_text_after_a_call_is_content() -> None:
+    content, calls = parse([f"<tool_call>{CALL_JSON}</tool_call>", "\n\nDone", " now."])
+    assert "".join(content) == "Done now." and len(calls) == 1
+
+
+@pytest.mark.parametrize("block", [
+    "<tool_call>\n{not json}\n</tool_call>",
+    '<tool_call>{"arguments": {}}</tool_call>',            # no name
+    '<tool_call>["get_weather"]</tool_call>',
+    f"<tool_call>\n{CALL_JSON[:-5]}",                      # cut off before it closed
+])
+def test_a_block_that_is_not_a_call_is_content_unchanged(block: str) -> None:
+    text = f"Before. {block} After."
+    for deltas in ([text], list(text)):
+        content, calls = parse(deltas)
+        assert "".join(content) == text and calls == []
+
+
+def test_an_open_block_at_the_end_that_parses_is_a_call() -> None:
+    content, calls = parse(["<tool_call>\n", CALL_JSON])
+    assert "".join(content) == "" and [call_of(c) for c in calls] == [("get_weather", CALL["arguments"])]
+
+
+def test_text_that_only_looks_like_a_marker_passes_through() -> None:
+    text = "a < b and <tool> or <tool_cal"
+    content, calls = parse(list(text))
+    assert "".join(content) == text and calls == []
+    assert content[:-1] and "".join(content[:-1]) == "a < b and <tool> or"   # only a possible marker waits
+
+
+def test_string_arguments_pass_as_they_are() -> None:
+    _, calls = parse(['<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'])
+    assert calls[0]["function"]["arguments"] == '{"x": 1}'
+
+
+def test_mistral_list() -> None:
+    second = {"name": "get_time", "arguments": {}}
+    text = f"[TOOL_CALLS]{json.dumps([CALL, second])}"
+    for split in range(len(text) + 1):
+        content, calls = parse([text[:split], text[split:]], MISTRAL)
+        assert "".join(content) == ""
+        assert [call_of(c) for c in calls] == [("get_weather", CALL["arguments"]), ("get_time", {})]
+    content, calls = parse(["[TOOL_CALLS] [oops"], MISTRAL)
+    assert "".join(content) == "[TOOL_CALLS] [oops" and calls == []
+
+
+# ---- end to end ----
+
+# Hermes-style: tool calls in `<tool_call>` blocks. The prompt of a plain conversation holds neither the
+# markers nor the end-of-turn token, so renaming those ids leaves the prompt's computation unchanged.
+HERMES_TEMPLATE = """\
+{%- if tools %}{{ '<|im_start|>system\\nTools: ' + (tools | tojson) + '\\n' }}{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}
+{{- '<|im_start|>assistant\\n' }}
+{%- for call in message.tool_calls %}{{ '<tool_call>\\n' + (call.function | tojson) + '\\n</tool_call>' }}{% endfor %}
+{{- '<|im_end|>\\n' }}
+{%- else %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '\\n' }}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"""
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+ADDED = ("<tool_call>", "</tool_call>", CALL_JSON)
+USER_MESSAGES = ["What is the weather in Paris?", "Hello!", "Count to five.", "Write add(a, b).", "Name a capital."]
+
+
+def vocab(model: Path) -> tokenizers.Tokenizer:
+    return tokenizers.Tokenizer.from_file(str(model / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny qwen3 checkpoint whose tokenizer knows the markers and the call as added tokens."""
+    base_vocab = tokenizers.Tokenizer.from_str(train_tokenizer()).get_vocab_size()
+    model = write_checkpoint(tmp_path_factory.mktemp("tools"), "qwen3", chat_template=HERMES_TEMPLATE,
+                             vocab_size=base_vocab + len(ADDED))
+    tokenizer = vocab(model)
+    tokenizer.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in ADDED])
+    tokenizer.save(str(model / "tokenizer.json"))
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    for token in ADDED:
+        config["added_tokens_decoder"][str(tokenizer.token_to_id(token))] = {"content": token, "special": False}
+    (model / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return model
+
+
+def scripted(base: Path, directory: Path, leads: range) -> dict[str, Any]:
+    """A conversation whose greedy reply, once ids are renamed, is some tokens of text (as many as one of
+    `leads`), then `<tool_call>`, the call, `</tool_call>` and the end-of-turn token."""
+    tokenizer = vocab(base)
+    targets = [tokenizer.token_to_id(t) for t in (*ADDED[:1], ADDED[2], ADDED[1], "<|im_end|>")]
+    for content, lead in ((c, n) for c in USER_MESSAGES for n in leads):
+        messages = [{"role": "user", "content": content}]
+        prompt = tokenizer.encode(render_reference(HERMES_TEMPLATE, messages, tools=TOOLS),
+                                  add_special_tokens=False).ids
+        ids, _ = hf_reference(base, tuple(prompt), leads[-1] + len(targets))
+        text, renamed_ids = ids[:lead], ids[lead:lead + len(targets)]
+        if len(set(renamed_ids)) < len(targets) or set(renamed_ids + targets) & set(prompt + text):
+            continue
+        before = tokenizer.decode(text)
+        if lead and (not before.strip() or before.endswith("\ufffd")):
+            continue
+        model = renamed(base, directory, dict(zip(renamed_ids, targets)))
+        return {"model": model, "messages": messages, "content": before.rstrip(),
+                "raw": tokenizer.decode([*text, *targets[:3]]), "completion_tokens": lead + len(targets)}
+    raise AssertionError("no conversation whose greedy reply can be scripted into a tool call")
+
+
+@pytest.fixture(scope="module", params=[range(1), range(1, 10)], ids=["call_only", "text_then_call"])
+def case(request, base: Path, tmp_path_factory) -> Iterator[tuple[LSE, dict[str, Any]]]:
+    script = scripted(base, tmp_path_factory.mktemp("scripted"), request.param)
+    with open_engine(script["model"], kv_len=256) as lse:
+        yield lse, script
+
+
+def body(script: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {"messages": script["messages"], "tools": TOOLS, "temperature": 0, "max_tokens": 16} | fields
+
+
+def test_reply_with_a_call(case) -> None:
+    lse, script = case
+    data = reply(lse, body(script))
+    choice = data["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("tool_calls", "stop_token")
+    assert choice["message"]["content"] == (script["content"] or None)
+    assert [call_of(c) for c in choice["message"]["tool_calls"]] == [("get_weather", CALL["arguments"])]
+    assert data["usage"]["completion_tokens"] == script["completion_tokens"]
+
+
+def test_streamed_reply_with_a_call(case) -> None:
+    lse, script = case
+    chunks, closing = streamed(lse, body(script))
+    assert streamed_text(chunks) == script["content"]
+    assert not any("tool_call" in (c["choices"][0]["delta"].get("content") or "") for c in chunks)
+    with_calls = [c["choices"][0]["delta"]["tool_calls"] for c in chunks if "tool_calls" in c["choices"][0]["delta"]]
+    assert len(with_calls) == 1 and [c["index"] for c in with_calls[0]] == [0]
+    assert [call_of({k: v for k, v in c.items() if k != "index"}) for c in with_calls[0]] == \
+        [("get_weather", CALL["arguments"])]
+    assert closing[0]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_tool_choice_none_leaves_the_block_as_content(case) -> None:
+    lse, script = case
+    choice = reply(lse, body(script, tool_choice="none"))["choices"][0]
+    assert (choice["finish_reason"], choice["message"]["content"]) == ("stop", script["raw"])
+    assert "tool_calls" not in choice["message"]
