@@ -57,6 +57,23 @@ class JitDevice(Device):
         return entry[1]
 
     def compile(self, group: FusedGroup, weights: Mapping[str, Any], ctx: CompileContext) -> Kernel | str:
+        from . import quant
+
+        kernel = self._compile(group, weights, ctx)
+        if isinstance(kernel, str) or quant.INT8_ACTIVATIONS:
+            return kernel
+
+        def single_threaded(inputs: Sequence[np.ndarray], step: Step) -> list[np.ndarray]:
+            # Exact arithmetic multiplies through BLAS, whose threads spin between calls; numba's own
+            # parallel regions beside them would fight for the cores (4x slower measured on 2 cores),
+            # so numba runs on the calling thread (set per thread: the engine's step loop).
+            if numba.get_num_threads() != 1:
+                numba.set_num_threads(1)
+            return kernel(inputs, step)
+
+        return single_threaded
+
+    def _compile(self, group: FusedGroup, weights: Mapping[str, Any], ctx: CompileContext) -> Kernel | str:
         from . import codegen
 
         if group.sampling_op is not None:
