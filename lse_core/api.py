@@ -200,12 +200,9 @@ def _start(lse: LSE, request: Request, body: Any) -> None:
                               "invalid_value", "echo")
     limit = resolve_limit(req.max_tokens, lse.config.max_tokens, lse.defaults, len(prompt),
                           lse.context_length, req.prompt_param)
-    sampling = resolve_sampling(req, lse.defaults)
     params = SeqParams(
         prompt=prompt, max_new_tokens=limit.max_new_tokens, limit_reason=limit.stop_reason,
-        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
-        repetition_penalty=sampling.repetition_penalty, presence_penalty=sampling.presence_penalty,
-        seed=sampling.seed, stop=list(req.stop), eos_ids=tokenizer.eos_ids,
+        sampling=resolve_sampling(req, lse.defaults), stop=list(req.stop), eos_ids=tokenizer.eos_ids,
         top_logprobs=req.top_logprobs if req.logprobs else None,
         splitter=reasoning_splitter(lse.thinking, level, prompt_text))
     reply = _ReplyBuilder(lse, request, req, prompt_text if req.echo else "")

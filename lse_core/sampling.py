@@ -68,6 +68,9 @@ class SamplingParams:
     seed: int | None
 
 
+NEUTRAL_SAMPLING = SamplingParams(**NEUTRAL, seed=None)   # plain, unseeded sampling
+
+
 def generation_defaults(generation_config: dict[str, Any], config: dict[str, Any],
                         server_temperature: float | None) -> GenerationDefaults:
     """The defaults from a model's generation_config.json and config.json (as parsed dicts).

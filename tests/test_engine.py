@@ -5,6 +5,7 @@ stop strings never leak into the text, even when they straddle tokens."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 from checkpoints import cpu_plan, lse_greedy, prompt_ids
@@ -13,6 +14,7 @@ from lse_core.engine.engine import Engine
 from lse_core.engine.sequence import SeqParams
 from lse_core.errors import LSEError
 from lse_core.model.files import load_hf
+from lse_core.sampling import NEUTRAL_SAMPLING
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Hello", "Once upon a time, in a land far away, there"]
 
@@ -32,7 +34,8 @@ def run(engine: Engine, params_list: list[SeqParams]) -> list:
 
 
 def greedy(prompt: list[int], n: int, **kw) -> SeqParams:
-    return SeqParams(prompt=prompt, max_new_tokens=n, limit_reason="max_tokens", temperature=0.0, **kw)
+    return SeqParams(prompt=prompt, max_new_tokens=n, limit_reason="max_tokens",
+                     sampling=replace(NEUTRAL_SAMPLING, temperature=0.0), **kw)
 
 
 def test_batched_decode_equals_each_alone(model, llama_checkpoint):

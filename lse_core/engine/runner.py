@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from lse_core.engine.sequence import SeqParams, Sequence
+from lse_core.engine.sequence import Sequence
 from lse_core.graph.ir import SamplingBatch, Step
 from lse_core.graph.plan import Plan
+from lse_core.sampling import SamplingParams
 
 
 class Runner:
@@ -45,11 +46,11 @@ def sampling_batch(batch: list[tuple[Sequence, int]]) -> SamplingBatch:
     # A draw only for sequences sampled this step, so a seed gives the same reply however the
     # prompt was chunked or batched.
     uniform = [s.rng.random() if s.computed + n == len(s.tokens) else 0.0 for s, n in batch]
-    return sampling_arrays([s.params for s, _ in batch], np.stack([s.recent() for s, _ in batch]),
+    return sampling_arrays([s.params.sampling for s, _ in batch], np.stack([s.recent() for s, _ in batch]),
                            np.array(uniform, dtype=np.float32))
 
 
-def sampling_arrays(p: list[SeqParams], recent: np.ndarray, uniform: np.ndarray) -> SamplingBatch:
+def sampling_arrays(p: list[SamplingParams], recent: np.ndarray, uniform: np.ndarray) -> SamplingBatch:
     return SamplingBatch(
         temperature=np.array([x.temperature for x in p], dtype=np.float32),
         top_k=np.array([x.top_k for x in p], dtype=np.int32),

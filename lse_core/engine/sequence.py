@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from lse_core.graph.ir import PENALTY_WINDOW
+from lse_core.sampling import NEUTRAL_SAMPLING, SamplingParams
 
 
 class Splitter(Protocol):
@@ -25,13 +26,7 @@ class SeqParams:
     prompt: list[int]
     max_new_tokens: int
     limit_reason: str                          # stop_reason when max_new_tokens is reached
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
+    sampling: SamplingParams = NEUTRAL_SAMPLING
     stop: list[str] = field(default_factory=list)
     eos_ids: tuple[int, ...] = ()
     top_logprobs: int | None = None            # None: no logprobs; n >= 0: the token's and n top ones
@@ -63,7 +58,7 @@ class Sequence:
         self.stop_reason: str | None = None     # the spec's stop_reason; set when the sequence ends
         self.fallbacks: dict[str, int] = {}   # fallback cause -> steps of this sequence it ran in
         self.error: Exception | None = None
-        self.rng = np.random.default_rng(params.seed)
+        self.rng = np.random.default_rng(params.sampling.seed)
         self.t_submit = time.perf_counter()
         self.t_admit = self.t_submit      # when it got a KV slot
         self.t_first_token: float | None = None

@@ -59,10 +59,6 @@ class Plan:
                       for g in groups]
         return cls(placements, graph.output, on_fallback)
 
-    @property
-    def devices(self) -> list[Device]:
-        return list({id(p.device): p.device for p in self.placements if p.device is not None}.values())
-
     def run(self, step: Step, want_logits: bool = False) -> StepOutput:
         values: dict[str, tuple[Device, Any]] = {}
         fallbacks: list[tuple[str, np.ndarray]] = []
@@ -114,10 +110,6 @@ class Plan:
             if p.refused and (op is None or op in sampling_ops):
                 return p.fallback_cause
         return None
-
-    def describe(self) -> list[dict[str, Any]]:
-        return [{"group": p.group.describe(), "device": p.device.info.name if p.device else None,
-                 "fallback": p.fallback_cause is not None} for p in self.placements]
 
 
 def _preference(group: FusedGroup, pool: list[Device], n_layers: int) -> list[Device]:
