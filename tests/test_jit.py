@@ -345,7 +345,7 @@ PLAN_CTX = CompileContext(4, 128, 64)
 
 def jit_plan(model, device: JitDevice, ctx: CompileContext = PLAN_CTX) -> Plan:
     plan = Plan.build(build_graph(model), pool=[device], ctx=ctx, fallback_device=None, allow_fallback=False)
-    assert all(p["device"] == "jit:0" and not p["fallback"] for p in plan.describe())
+    assert all(p.device is device and p.fallback_cause is None for p in plan.placements)
     return plan
 
 

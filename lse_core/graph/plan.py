@@ -111,6 +111,11 @@ class Plan:
                 return p.fallback_cause
         return None
 
+    def describe(self) -> list[dict[str, Any]]:
+        """Where each group runs (for diagnostics and test messages)."""
+        return [{"group": p.group.describe(), "device": p.device.info.name if p.device else None,
+                 "fallback": p.fallback_cause is not None} for p in self.placements]
+
 
 def _preference(group: FusedGroup, pool: list[Device], n_layers: int) -> list[Device]:
     """The group's layer's device first (layers split evenly in pool order), then the rest."""
