@@ -96,6 +96,7 @@ def lse_open_or_raise(config: LSEConfig | dict[str, Any] | None = None) -> LSE:
     ctx = CompileContext(kv_slots=config.parallel, kv_len=context_length,
                          max_tokens=max(config.prefill_chunk, config.parallel))
     plan = Plan.build(graph, devices, ctx, interpreter, not refused, fallback.record)
+    model.release_file_pages()  # the devices hold the weights as they lay them out
     _log_plan(plan)
     engine = Engine(plan, model.tokenizer, config.parallel, config.max_queue, config.prefill_chunk)
     return LSE(config, model, _model_id(model), template, thinking, defaults, context_length, registry,

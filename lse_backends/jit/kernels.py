@@ -1,8 +1,8 @@
 """numba kernels for the non-linear model ops of lse_core.graph.ir (semantics documented there).
 
 Every kernel writes into an output array the caller preallocated and takes only arrays and
-scalars, so a whole layer can later be driven from one @njit function. Light row-wise kernels run
-serially (a parallel region costs more than a decode row's work); attention and the float32 GEMV
+scalars, so a program (program.py) drives them from one @njit function. Light row-wise kernels run
+serially (a parallel region costs more than a decode row's work); attention and the float32 linear
 run in parallel and let LLVM reassociate their dot products so they vectorize.
 """
 
@@ -53,67 +53,79 @@ def rope(x, positions, cos_table, sin_table, head_dim, out):
                 out[t, i] = x[t, i]
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, fastmath=_ATTENTION_MATH)
 def attention(q, k, v, k_cache, v_cache, positions, slots, query_starts, n_heads, scale, window, out):
-    """Write the step's k, v rows into the caches [slots, kv_len, n_kv, head_dim] at (slot, position),
+    """Write the step's k, v rows into the caches [slots, n_kv, kv_len, head_dim] at (slot, position),
     then each query row attends to its sequence's positions [max(0, p - window + 1), p]
-    (window 0: from 0); query head h reads kv head h // (n_heads // n_kv)."""
-    n_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
+    (window 0: from 0); query head h reads kv head h // (n_heads // n_kv). Head-major caches keep a kv
+    head's keys contiguous, so the dot products over head_dim vectorize."""
+    n_kv, head_dim = k_cache.shape[1], k_cache.shape[3]
     n_rows = q.shape[0]
     row_slot = np.empty(n_rows, np.int64)
     for i in range(slots.shape[0]):
         for t in range(query_starts[i], query_starts[i + 1]):
             row_slot[t] = slots[i]
-            for j in range(n_kv * head_dim):
-                k_cache[slots[i], positions[t], j // head_dim, j % head_dim] = k[t, j]
-                v_cache[slots[i], positions[t], j // head_dim, j % head_dim] = v[t, j]
+            for g in range(n_kv):
+                for d in range(head_dim):
+                    k_cache[slots[i], g, positions[t], d] = k[t, g * head_dim + d]
+                    v_cache[slots[i], g, positions[t], d] = v[t, g * head_dim + d]
     for item in prange(n_rows * n_kv):
-        t = item // n_kv
+        t, g = item // n_kv, item % n_kv
         p = positions[t]
         first = max(0, p - window + 1) if window > 0 else 0
-        _attend(q, k_cache[row_slot[t], first:p + 1], v_cache[row_slot[t], first:p + 1], t, item % n_kv,
-                n_heads // n_kv, scale, out)
+        _attend(q, k_cache[row_slot[t], g], v_cache[row_slot[t], g], first, p + 1, t, g, n_heads // n_kv,
+                scale, out)
 
 
 @njit(cache=True, fastmath=_ATTENTION_MATH)
-def _attend(q, keys, values, t, g, group, scale, out):
-    """Query row t's heads of kv head g (group of them) over keys and values [n_keys, n_kv, head_dim]."""
-    n_keys, head_dim = keys.shape[0], keys.shape[2]
-    scores = np.empty((group, n_keys), np.float32)
-    for j in range(n_keys):
+def _attend(q, keys, values, first, end, t, g, group, scale, out):
+    """Query row t's heads of kv head g (a group of them) over keys and values [kv_len, head_dim], rows
+    first .. end - 1: each key and value row is loaded once for the whole group."""
+    head_dim, n = keys.shape[1], end - first
+    scaled_q = np.empty((group, head_dim), np.float32)
+    for hh in range(group):
+        for d in range(head_dim):
+            scaled_q[hh, d] = q[t, (g * group + hh) * head_dim + d] * scale
+    scores = np.empty((group, n), np.float32)
+    for j in range(n):
         for hh in range(group):
-            h0 = (g * group + hh) * head_dim
             s = np.float32(0.0)
             for d in range(head_dim):
-                s += q[t, h0 + d] * keys[j, g, d]
-            scores[hh, j] = s * scale
+                s += scaled_q[hh, d] * keys[first + j, d]
+            scores[hh, j] = s
     for hh in range(group):
         top = scores[hh].max()
         total = np.float32(0.0)
-        for j in range(n_keys):
+        for j in range(n):
             e = np.exp(scores[hh, j] - top)
             scores[hh, j] = e
             total += e
         scores[hh] /= total
     acc = np.zeros((group, head_dim), np.float32)
-    for j in range(n_keys):
+    for j in range(n):
         for hh in range(group):
             w = scores[hh, j]
             for d in range(head_dim):
-                acc[hh, d] += w * values[j, g, d]
+                acc[hh, d] += w * values[first + j, d]
     for hh in range(group):
-        h0 = (g * group + hh) * head_dim
         for d in range(head_dim):
-            out[t, h0 + d] = acc[hh, d]
+            out[t, (g * group + hh) * head_dim + d] = acc[hh, d]
+
+
+ROW_TILE, TOKEN_TILE = 16, 8  # a 16-row weight tile and 8 token rows stay in L1/L2 while they meet
 
 
 @njit(cache=True, parallel=True, fastmath=_ATTENTION_MATH)
 def linear_f32(x, weight, out):
-    """out = x @ weight.T for a few rows (decode): rows of the weight in parallel, each read once from
-    memory for every token. Prefill-sized steps go to BLAS instead."""
-    for r in prange(weight.shape[0]):
-        for t in range(x.shape[0]):
-            total = np.float32(0.0)
-            for i in range(x.shape[1]):
-                total += x[t, i] * weight[r, i]
-            out[t, r] = total
+    """out = x @ weight.T for float32 weights: tiles of weight rows in parallel, each read from memory
+    once per step and met by every token in tiles of a few rows (GEMM-shaped for prefill)."""
+    n_rows, n_tokens = weight.shape[0], x.shape[0]
+    for tile in prange((n_rows + ROW_TILE - 1) // ROW_TILE):
+        r1 = min(n_rows, (tile + 1) * ROW_TILE)
+        for t0 in range(0, n_tokens, TOKEN_TILE):
+            for r in range(tile * ROW_TILE, r1):
+                for t in range(t0, min(n_tokens, t0 + TOKEN_TILE)):
+                    total = np.float32(0.0)
+                    for i in range(x.shape[1]):
+                        total += x[t, i] * weight[r, i]
+                    out[t, r] = total

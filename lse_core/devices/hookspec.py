@@ -7,7 +7,8 @@ fused group into a ``Kernel`` (or answers why it cannot, e.g. ``"no kernel for s
 arrays between the host and itself, and synchronizes. Weights are handed to ``compile`` and
 uploaded then, once. A kernel takes the group's input buffers (in ``group.inputs`` order, already
 on this device) and the host-side ``Step``, and returns its output buffers (``group.outputs``
-order) on this device.
+order) on this device. A device may also link kernels of consecutive groups into one kernel (one
+call per step instead of one per group); the planner asks it for every run of its kernels.
 """
 
 from __future__ import annotations
@@ -62,6 +63,16 @@ class Device(ABC):
 
     @abstractmethod
     def to_host(self, buffer: Any) -> np.ndarray: ...
+
+    def can_link(self, kernel: Kernel) -> bool:
+        """Whether ``link`` takes this kernel (one this device compiled)."""
+        return False
+
+    def link(self, kernels: Sequence[Kernel], inputs: Sequence[str], outputs: Sequence[str]) -> Kernel:
+        """One kernel running ``kernels`` (of consecutive groups) in order: it takes the values named
+        ``inputs`` (read by the groups, produced before them) and returns those named ``outputs``
+        (produced by the groups, read after them)."""
+        raise NotImplementedError
 
     def synchronize(self) -> None:
         """Wait for queued work; kernels may run asynchronously until ``to_host``."""

@@ -3,7 +3,8 @@ devices, the CPU interpreter only as the counted (or refused) fallback.
 
 Like ggml's backend scheduler: the pool is in priority order; several pool devices split the
 layers between them in order; a group goes to its layer's device if that device has a kernel,
-else to the first other pool device that has one, else to the CPU interpreter."""
+else to the first other pool device that has one, else to the CPU interpreter. Consecutive groups
+placed on a device that links kernels run as one stage: one call per step for the run."""
 
 from __future__ import annotations
 
@@ -32,6 +33,20 @@ class Placement:
 
 
 @dataclass
+class Stage:
+    """What one call runs: a placement's kernel, or the linked kernel of several consecutive ones."""
+
+    placements: list[Placement]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    kernel: Kernel | None
+
+    @property
+    def device(self) -> Device | None:
+        return self.placements[0].device
+
+
+@dataclass
 class StepOutput:
     next_tokens: np.ndarray | None           # int32 [S], when the step had sampling parameters
     logits: np.ndarray | None                # float32 [S, vocab], when asked for
@@ -43,6 +58,7 @@ class Plan:
         self.placements = placements
         self.output = output
         self._on_fallback = on_fallback
+        self.stages = _link(placements, output)
 
     @classmethod
     def build(
@@ -63,22 +79,22 @@ class Plan:
         values: dict[str, tuple[Device, Any]] = {}
         fallbacks: list[tuple[str, np.ndarray]] = []
         every_seq = np.ones(step.n_seqs, dtype=bool)
-        for p in self.placements:
-            group = p.group
-            op = group.sampling_op
+        for stage in self.stages:
+            p = stage.placements[0]   # a linked stage is model groups without fallbacks
+            op = p.group.sampling_op
             if op is not None:
                 if step.sampling is None:
                     break
                 needed = SAMPLING_OP_NEEDED[op](step.sampling)
                 if not needed.any():   # nobody needs it: the value passes through unchanged
-                    values[group.outputs[0]] = values[group.inputs[0]]
+                    values[stage.outputs[0]] = values[stage.inputs[0]]
                     continue
             else:
                 needed = every_seq
             if p.refused:
                 raise server_error(f"CPU fallback disabled: {p.fallback_cause}")
-            args = [self._fetch(values, name, p.device) for name in group.inputs]
-            for name, buf in zip(group.outputs, p.kernel(args, step)):
+            args = [self._fetch(values, name, p.device) for name in stage.inputs]
+            for name, buf in zip(stage.outputs, stage.kernel(args, step)):
                 values[name] = (p.device, buf)
             if p.fallback_cause is not None:
                 self._on_fallback(p.fallback_cause)
@@ -115,6 +131,34 @@ class Plan:
         """Where each group runs (for diagnostics and test messages)."""
         return [{"group": p.group.describe(), "device": p.device.info.name if p.device else None,
                  "fallback": p.fallback_cause is not None} for p in self.placements]
+
+
+def _link(placements: list[Placement], output: str) -> list[Stage]:
+    """Stages: each maximal run of model groups placed (not as a fallback) on one device that links
+    their kernels becomes one linked stage; every other placement is a stage of its own."""
+    runs: list[list[Placement]] = []
+    previous_linkable = False
+    for p in placements:
+        linkable = (p.group.sampling_op is None and p.fallback_cause is None and p.device is not None
+                    and p.device.can_link(p.kernel))
+        if linkable and previous_linkable and runs[-1][0].device is p.device:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+        previous_linkable = linkable
+    read_after: set[str] = {output, "next_tokens"}
+    stages: list[Stage] = []
+    for run in reversed(runs):
+        produced = {v for p in run for v in p.group.outputs}
+        inputs = tuple(dict.fromkeys(v for p in run for v in p.group.inputs if v not in produced))
+        outputs = tuple(v for p in run for v in p.group.outputs if v in read_after)
+        if len(run) == 1:
+            stage = Stage(run, run[0].group.inputs, run[0].group.outputs, run[0].kernel)
+        else:
+            stage = Stage(run, inputs, outputs, run[0].device.link([p.kernel for p in run], inputs, outputs))
+        stages.append(stage)
+        read_after.update(stage.inputs)
+    return stages[::-1]
 
 
 def _preference(group: FusedGroup, pool: list[Device], n_layers: int) -> list[Device]:

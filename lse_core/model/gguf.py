@@ -8,13 +8,14 @@ What is slow is GGUFReader parsing the vocabulary arrays element by element (Smo
 ~5 s; Gemma 3's 262k: over a minute) and rebuilding a SentencePiece vocabulary's merges (~5 s);
 tensor data is only memory-mapped. So the parsed header (config, tokenizer, template, tensor table)
 is cached under ``$LSE_CACHE_DIR`` (default ``~/.cache/lse``)/gguf/<content key>.json: a cached
-import of SmolLM2 takes ~0.3 s. Tensors are read from the file through numpy's memmap either way.
+import of SmolLM2 takes ~0.3 s. Tensors are read from the file through one read-only mmap either way.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import re
 from pathlib import Path
@@ -74,8 +75,10 @@ def load_gguf(path: str) -> Model:
     saved = header["tokenizer"]
     tokenizer = Tokenizer(tokenizers.Tokenizer.from_str(saved["json"]), eos_ids=tuple(saved["eos_ids"]),
                           bos_token=saved["bos_token"], eos_token=saved["eos_token"], special=saved["special"])
-    return Model(source=path, config=config, weights=_read_weights(path, config, header["tensors"]),
-                 tokenizer=tokenizer, generation_config=header["generation_config"],
+    with open(path, "rb") as file:
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    return Model(source=path, config=config, weights=_read_weights(mapping, path, config, header["tensors"]),
+                 mapping=mapping, tokenizer=tokenizer, generation_config=header["generation_config"],
                  chat_template=header["chat_template"],
                  chat_template_source=path if header["chat_template"] is not None else None)
 
@@ -214,10 +217,10 @@ def _gemma3_config(config: dict[str, Any], key: Any) -> dict[str, Any]:
 
 # ---- tensors ----
 
-def _read_weights(path: str, config: dict[str, Any], table: list[Any]) -> dict[str, Weight]:
+def _read_weights(mapping: mmap.mmap, path: str, config: dict[str, Any], table: list[Any]) -> dict[str, Weight]:
     arch = config["model_type"]
     layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
-    data = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)  # plain arrays over the mapping
+    data = np.frombuffer(mapping, np.uint8)  # read-only arrays over the mapping
     weights: dict[str, Weight] = {}
     for name, qtype, gguf_shape, offset, nbytes in table:
         hf_name = _hf_name(name, layer_names, path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,13 @@ class Model:
     generation_config: dict[str, Any] = field(default_factory=dict)
     chat_template: str | None = None
     chat_template_source: str | None = None      # the file the template came from
+    mapping: mmap.mmap | None = None             # the memory-mapped weight file, when weights are views of it
+
+    def release_file_pages(self) -> None:
+        """Let the OS drop the mapped file's resident pages: once devices have laid the weights out, reads
+        of the mapping are rare, and a page read again is simply faulted back in from the file."""
+        if self.mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self.mapping.madvise(mmap.MADV_DONTNEED)
 
     @property
     def architecture(self) -> str:

@@ -100,7 +100,7 @@ def attention(node: Node, params: list[np.ndarray], ctx: CompileContext) -> Body
     scale, window = np.float32(node.attrs["scale"]), int(node.attrs.get("window") or 0)
     # this layer's KV cache, in device memory for as long as the kernel lives
     k_cache = np.zeros((ctx.kv_slots, ctx.kv_len, n_kv, head_dim), np.float32)
-    v_cache = np.zeros_like(k_cache)
+    v_cache = np.zeros(k_cache.shape, np.float32)  # not zeros_like: it writes the zeros, committing every page
 
     def run(inputs: Sequence[np.ndarray], step: Step) -> list[np.ndarray]:
         q, k, v = inputs

@@ -1,0 +1,230 @@
+"""Groups on jit:0 as one compiled call. Each group compiles to instructions over a small closed set
+(one per IR op kind; an elementwise group is one call of its generated function), and ``execute``, an
+@njit loop, runs a whole program: a decode step's hundreds of groups cost one call from Python, not
+hundreds (the planner links consecutive jit:0 groups into one program, ``JitDevice.link``).
+
+Values live in activation buffers [capacity rows, width] kept across steps; a step uses the first rows
+(its tokens, or its sequences after last_rows). Weights, caches and generated functions are held in
+numba typed lists of one type each, so ``execute`` has one signature for every model and compiles once
+(cached on disk).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numba import njit, typed, types
+
+from lse_core.graph.ir import Step
+
+from . import kernels, quant
+
+
+def _renew_cache_stamp() -> None:
+    """numba keys ``execute``'s disk cache by this file's stamp only, but execute compiles in the kernels
+    of its sibling files: when one of them is newer, touch this file so the cached code is rebuilt
+    (stale code would run old kernels on new data layouts)."""
+    here = Path(__file__)
+    newest = max(p.stat().st_mtime for p in here.parent.glob("*.py"))
+    if newest > here.stat().st_mtime:
+        try:
+            os.utime(here)
+        except OSError:  # a read-only install is never edited in place
+            pass
+
+
+_renew_cache_stamp()
+
+# instruction ops
+EMBED, EMBED_Q, RMS_NORM, LINEAR, LINEAR_Q, ROPE, ATTENTION, FUSED, LAST_ROWS = range(9)
+# instruction columns: the op, then output, input and resource/integer slots (-1 where unused)
+MAX_OUTPUTS, MAX_INPUTS, MAX_ARGS = 4, 6, 5
+OUT, IN, ARG = 1, 1 + MAX_OUTPUTS, 1 + MAX_OUTPUTS + MAX_INPUTS
+WIDTH = ARG + MAX_ARGS
+PARALLEL_ELEMENTS = 1 << 16  # below this an elementwise group's loop is cheaper than waking the other threads
+
+FUSED_SIGNATURE = types.void(*[types.float32[::1]] * (MAX_OUTPUTS + MAX_INPUTS))
+_LIST_TYPES = {  # every typed list ``execute`` takes, by the kind of thing it holds (weights read-only: mmapped)
+    "acts": types.float32[:, ::1], "flats": types.float32[::1],
+    "mats": types.Array(types.float32, 2, "C", readonly=True), "qmats": types.Array(types.uint8, 2, "C", readonly=True),
+    "vecs": types.Array(types.float32, 1, "C", readonly=True), "caches": types.float32[:, :, :, ::1],
+    "fns": types.FunctionType(FUSED_SIGNATURE),
+}
+
+
+@njit(cache=True, nogil=True)
+def execute(code, floats, acts, flats, rows, mats, qmats, vecs, caches, fns,
+            tokens, positions, slots, query_starts, sample_rows):
+    """Run every instruction in order. ``rows`` holds each value's live row count (set for the inputs)."""
+    empty = np.empty(0, np.float32)
+    for k in range(code.shape[0]):
+        c = code[k]
+        op, out = c[0], c[OUT]
+        n = rows[c[IN]] if c[IN] >= 0 else tokens.shape[0]
+        if op == EMBED:
+            kernels.embedding(mats[c[ARG]], tokens, floats[k, 0], acts[out][:n])
+        elif op == EMBED_Q:
+            quant.embed_rows(c[ARG + 1], qmats[c[ARG]], tokens, floats[k, 0], acts[out][:n])
+        elif op == RMS_NORM:
+            kernels.rms_norm(acts[c[IN]][:n], vecs[c[ARG]], c[ARG + 1], floats[k, 0], acts[out][:n])
+        elif op == LINEAR or op == LINEAR_Q:
+            y = acts[out][:n]
+            if op == LINEAR:
+                kernels.linear_f32(acts[c[IN]][:n], mats[c[ARG]], y)
+            else:
+                quant.linear(c[ARG + 1], qmats[c[ARG]], acts[c[IN]][:n], y)
+            if c[ARG + 2] >= 0:
+                y += vecs[c[ARG + 2]]
+        elif op == ROPE:
+            kernels.rope(acts[c[IN]][:n], positions, mats[c[ARG]], mats[c[ARG + 1]], c[ARG + 2], acts[out][:n])
+        elif op == ATTENTION:
+            kernels.attention(acts[c[IN]][:n], acts[c[IN + 1]][:n], acts[c[IN + 2]][:n], caches[c[ARG]],
+                              caches[c[ARG + 1]], positions, slots, query_starts, c[ARG + 2], floats[k, 0],
+                              c[ARG + 3], acts[out][:n])
+        elif op == FUSED:
+            size = n * acts[c[IN]].shape[1]
+            views = [flats[c[j]][:size] if c[j] >= 0 else empty for j in range(OUT, ARG)]
+            fn = fns[c[ARG + 1]] if size >= PARALLEL_ELEMENTS else fns[c[ARG]]
+            fn(views[0], views[1], views[2], views[3], views[4], views[5], views[6], views[7], views[8], views[9])
+        elif op == LAST_ROWS:
+            x, y = acts[c[IN]], acts[out]
+            n = sample_rows.shape[0]
+            for i in range(n):
+                y[i] = x[sample_rows[i]]
+        for j in range(OUT, IN):
+            if c[j] >= 0:
+                rows[c[j]] = n
+
+
+@dataclass
+class Instruction:
+    """One op of a group, over value names. ``args`` fill the argument slots in order: an array or a
+    function becomes its index in the typed list of its kind, an int stays itself."""
+
+    op: int
+    outputs: tuple[str, ...]
+    inputs: tuple[str, ...]
+    args: tuple[Any, ...] = ()
+    scalar: float = 0.0
+    width: int | None = None   # the outputs' width; None: the first input's
+    vocab: int = 0             # embedding: ids must be below this (numba does no bounds checks)
+    uses_cache: bool = False   # positions and slots must lie inside the KV cache
+
+
+def _list_kind(resource: Any) -> str:
+    if not isinstance(resource, np.ndarray):
+        return "fns"
+    if resource.dtype == np.uint8:
+        return "qmats"
+    return {1: "vecs", 2: "mats", 4: "caches"}[resource.ndim]
+
+
+class Program:
+    """A Kernel: instructions for groups in order, reading ``inputs`` and returning ``outputs``."""
+
+    def __init__(self, instructions: Sequence[Instruction], inputs: Sequence[str], outputs: Sequence[str],
+                 capacity: int, kv_len: int, kv_slots: int) -> None:
+        self.instructions = list(instructions)
+        self.inputs, self.outputs = tuple(inputs), tuple(outputs)
+        self.capacity, self.kv_len, self.kv_slots = capacity, kv_len, kv_slots
+        self.vocab = min((i.vocab for i in self.instructions if i.vocab), default=0)
+        self.uses_cache = any(i.uses_cache for i in self.instructions)
+        self.slot = {name: k for k, name in enumerate(dict.fromkeys(
+            [*self.inputs, *(o for i in self.instructions for o in i.outputs)]))}
+        lists: dict[str, list] = {kind: [] for kind in _LIST_TYPES if kind not in ("acts", "flats")}
+        where: dict[int, int] = {}  # id(resource) -> index in its list: shared weights go in once
+        self.code = np.full((len(self.instructions), WIDTH), -1, np.int64)
+        self.floats = np.zeros((len(self.instructions), 1), np.float32)
+        for k, ins in enumerate(self.instructions):
+            args = []
+            for arg in ins.args:
+                if isinstance(arg, int):
+                    args.append(arg)
+                    continue
+                bucket = lists[_list_kind(arg)]
+                if id(arg) not in where:
+                    where[id(arg)] = len(bucket)
+                    bucket.append(arg)
+                args.append(where[id(arg)])
+            row = self.code[k]
+            row[0] = ins.op
+            row[OUT:OUT + len(ins.outputs)] = [self.slot[v] for v in ins.outputs]
+            row[IN:IN + len(ins.inputs)] = [self.slot[v] for v in ins.inputs]
+            row[ARG:ARG + len(args)] = args
+            self.floats[k, 0] = ins.scalar
+        self.lists = {kind: _typed(kind, items) for kind, items in lists.items()}
+        self.acts: list[np.ndarray] = []
+
+    def _allocate(self, inputs: Sequence[np.ndarray], rows: int) -> None:
+        """Buffers of ``rows`` rows; widths follow from the inputs' through the code. A value's buffer
+        is reused once the value is dead (after its last reader), but never by the outputs of the
+        instruction reading it, so no kernel writes over its own input; the outputs live to the end."""
+        width = {self.slot[name]: x.shape[1] for name, x in zip(self.inputs, inputs)}
+        last_read = {self.slot[name]: len(self.instructions) for name in self.outputs}
+        for k, ins in enumerate(self.instructions):
+            w = ins.width if ins.width is not None else width[self.slot[ins.inputs[0]]]
+            width.update({self.slot[o]: w for o in ins.outputs})
+            last_read.update({self.slot[v]: max(k, last_read.get(self.slot[v], -1)) for v in ins.inputs})
+        free: dict[int, list[np.ndarray]] = {}
+        buffer: dict[int, np.ndarray] = {}
+
+        def take(slot: int) -> None:
+            spare = free.get(width[slot])
+            buffer[slot] = spare.pop() if spare else np.empty((rows, width[slot]), np.float32)
+
+        for name in self.inputs:
+            take(self.slot[name])
+        for k, ins in enumerate(self.instructions):
+            for name in ins.outputs:
+                take(self.slot[name])
+            for slot in {self.slot[v] for v in (*ins.inputs, *ins.outputs)}:
+                if last_read.get(slot, k) == k:  # read last here, or produced here and never read
+                    free.setdefault(width[slot], []).append(buffer[slot])
+        self.acts = [buffer[k] for k in range(len(self.slot))]
+        self.capacity = rows
+        self.typed_acts = _typed("acts", self.acts)
+        self.typed_flats = _typed("flats", [a.reshape(-1) for a in self.acts])
+        self.rows = np.zeros(len(self.acts), np.int64)
+
+    def __call__(self, inputs: Sequence[np.ndarray], step: Step) -> list[np.ndarray]:
+        self._check(step)
+        if not self.acts or step.n_tokens > self.capacity:
+            self._allocate(inputs, max(self.capacity, step.n_tokens))
+        for name, x in zip(self.inputs, inputs):
+            k = self.slot[name]
+            self.acts[k][:x.shape[0]] = x
+            self.rows[k] = x.shape[0]
+        lists = self.lists
+        execute(self.code, self.floats, self.typed_acts, self.typed_flats, self.rows, lists["mats"],
+                lists["qmats"], lists["vecs"], lists["caches"], lists["fns"], step.tokens, step.positions,
+                step.slots, step.query_starts, step.sample_rows)
+        return [self.acts[self.slot[name]][:self.rows[self.slot[name]]] for name in self.outputs]
+
+    def _check(self, step: Step) -> None:
+        """What numba would not: ids inside the vocabulary, positions and slots inside the cache."""
+        if self.vocab and step.tokens.max(initial=0) >= self.vocab:
+            raise ValueError(f"token id {step.tokens.max()} is outside the vocabulary ({self.vocab})")
+        if self.uses_cache and (step.positions.max(initial=0) >= self.kv_len
+                                or step.slots.max(initial=0) >= self.kv_slots):
+            raise ValueError(f"step outside the KV cache ({self.kv_slots} slots of {self.kv_len} positions): "
+                             f"positions up to {step.positions.max()}, slots up to {step.slots.max()}")
+
+
+def link(programs: Sequence[Program], inputs: Sequence[str], outputs: Sequence[str]) -> Program:
+    """One program running ``programs`` in order (their groups were consecutive on jit:0)."""
+    first = programs[0]
+    return Program([i for p in programs for i in p.instructions], inputs, outputs, first.capacity,
+                   first.kv_len, first.kv_slots)
+
+
+def _typed(kind: str, items: Sequence[Any]) -> typed.List:
+    result = typed.List.empty_list(_LIST_TYPES[kind])
+    for item in items:
+        result.append(item)
+    return result
+

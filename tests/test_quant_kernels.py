@@ -1,0 +1,140 @@
+"""The jit device's quantized kernels (lse_backends/jit/quant.py) against gguf's own dequantization: linear
+for every weight type, token count and row count that reaches a different tile or tail, on the serial
+and the parallel path; embed_rows; the load-time layout; the portable IR in a fresh process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+
+import lse_backends.jit.quant as quant
+
+QTYPES = ("Q4_0", "Q4_1", "Q8_0")
+TOKENS = (1, 2, 3, 5, 16, 37)  # tiles of 1, 4 and 8 tokens and every remainder they leave
+# rows: one group (the two-group tile clamped), an odd number of groups, groups plus 5 rows kept as
+# stored, only such rows; 200 rows take the parallel path from 2 tokens, 600 rows from 1. n: one block,
+# odd and even numbers of blocks.
+SHAPES = ((8, 32), (24, 96), (37, 320), (5, 64), (200, 320), (600, 128))
+RNG = np.random.default_rng(0)
+
+
+def gguf_weight(qtype: str, rows: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(GGUF blocks, their float32 dequantization by gguf) of a random matrix."""
+    blocks = quants.quantize(RNG.standard_normal((rows, n)).astype(np.float32), GGMLQuantizationType[qtype])
+    return blocks, quants.dequantize(blocks, GGMLQuantizationType[qtype]).astype(np.float32)
+
+
+def prepared(qtype: str, blocks: np.ndarray) -> tuple[int, np.ndarray]:
+    """quant.prepare's (kind, blocks), read-only as the jit programs hold weights."""
+    kind, laid_out = quant.prepare(qtype, blocks)
+    laid_out.flags.writeable = False
+    return kind, laid_out
+
+
+def assert_close_to_reference(out: np.ndarray, x: np.ndarray, dense: np.ndarray) -> None:
+    """Within float32 summation-order rounding of x @ dense.T (computed in float64)."""
+    reference = x.astype(np.float64) @ dense.astype(np.float64).T
+    assert np.abs(out - reference).max() <= 1e-5 * np.abs(reference).max()
+
+
+def test_the_shapes_reach_both_paths():
+    """SHAPES x TOKENS run on the calling thread and in parallel, for one token and for several."""
+    work = [rows * n // quant.BLOCK * tokens for rows, n in SHAPES for tokens in TOKENS]
+    assert min(work) < quant.SERIAL_WORK <= max(work)
+    assert any(rows * n // quant.BLOCK < quant.SERIAL_WORK <= rows * n // quant.BLOCK * 37 for rows, n in SHAPES)
+    assert any(rows * n // quant.BLOCK >= quant.SERIAL_WORK for rows, n in SHAPES)  # decode in parallel too
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("rows, n", SHAPES)
+def test_linear_is_x_times_the_dequantized_weight(qtype, rows, n):
+    blocks, dense = gguf_weight(qtype, rows, n)
+    kind, laid_out = prepared(qtype, blocks)
+    for tokens in TOKENS:
+        x = RNG.standard_normal((tokens, n)).astype(np.float32)
+        out = np.full((tokens, rows), np.nan, np.float32)  # an entry the kernels miss stays NaN
+        quant.linear(kind, laid_out, x, out)
+        assert_close_to_reference(out, x, dense)
+
+
+def test_linear_reads_activation_rows_through_their_stride():
+    """x and out may be the leading rows of larger buffers (how the jit programs pass them)."""
+    blocks, dense = gguf_weight("Q4_1", 24, 96)
+    x = RNG.standard_normal((10, 96)).astype(np.float32)
+    out = np.full((10, 24), np.nan, np.float32)
+    quant.linear(*prepared("Q4_1", blocks), x[:3], out[:3])
+    assert_close_to_reference(out[:3], x[:3], dense)
+    assert np.isnan(out[3:]).all()
+
+
+def test_linear_rejects_mismatched_shapes():
+    kind, laid_out = prepared("Q8_0", gguf_weight("Q8_0", 8, 64)[0])
+    with pytest.raises(ValueError):
+        quant.linear(kind, laid_out, np.zeros((1, 96), np.float32), np.zeros((1, 8), np.float32))
+    with pytest.raises(ValueError):
+        quant.linear(kind, laid_out, np.zeros((1, 64), np.float32), np.zeros((1, 9), np.float32))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_embed_rows_is_gguf_dequantization_times_the_scale(qtype):
+    """Bit for bit: the same float32 operations as gguf's dequantization, then the scale."""
+    blocks, dense = gguf_weight(qtype, 37, 96)
+    kind, laid_out = prepared(qtype, blocks)
+    tokens = np.array([0, 7, 8, 31, 32, 36, 9, 9], np.int64)  # group edges, the rows kept as stored, repeats
+    out = np.empty((len(tokens), 96), np.float32)
+    quant.embed_rows(kind, laid_out, tokens, 1.7, out)
+    np.testing.assert_array_equal(out, dense[tokens] * np.float32(1.7))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_prepare_keeps_the_shape_and_the_bytes(qtype):
+    blocks = gguf_weight(qtype, 37, 96)[0]
+    kind, laid_out = quant.prepare(qtype, blocks)
+    assert kind == quant.KINDS[qtype] and laid_out.shape == blocks.shape and laid_out.dtype == np.uint8
+    assert not np.shares_memory(laid_out, blocks)
+    np.testing.assert_array_equal(np.sort(laid_out, axis=None), np.sort(blocks, axis=None))
+    np.testing.assert_array_equal(laid_out[32:], blocks[32:])  # the last rows % 8 stay as stored
+    assert not np.array_equal(laid_out[:32], blocks[:32])
+    with pytest.raises(ValueError):
+        quant.prepare(qtype, blocks[:, 1:])
+
+
+def test_portable_ir_gives_the_same_floats(tmp_path):
+    """LSE_JIT_PORTABLE=1 in a fresh numba cache: the f16 scales decoded with integer vector ops instead
+    of vcvtph2ps; every other operation is the same IR, so the results are bit for bit the same. The
+    subprocess compiles the row-group driver only (every tile; linear adds no IR of its own)."""
+    x = RNG.standard_normal((16, 96)).astype(np.float32)
+    sums = x.reshape(16, 3, quant.BLOCK).sum(axis=-1)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "sums.npy", sums)
+    expected = {}
+    for qtype in QTYPES:
+        kind, laid_out = prepared(qtype, gguf_weight(qtype, 40, 96)[0])
+        np.save(tmp_path / f"{qtype}.npy", laid_out)
+        for tokens in (1, 3, 16):
+            out = np.full((tokens, 40), np.nan, np.float32)
+            quant._groups(kind, laid_out, x[:tokens], sums[:tokens], out, 0, 5)
+            expected[qtype, tokens] = out
+    script = (
+        "import sys, numpy as np\n"
+        "import lse_backends.jit.quant as quant\n"
+        "assert not quant.AVX2\n"
+        "d = sys.argv[1]; x, sums = np.load(d + '/x.npy'), np.load(d + '/sums.npy')\n"
+        "for q in ('Q4_0', 'Q4_1', 'Q8_0'):\n"
+        "    for t in (1, 3, 16):\n"
+        "        out = np.full((t, 40), np.nan, np.float32)\n"
+        "        w = np.load(f'{d}/{q}.npy'); w.flags.writeable = False\n"
+        "        quant._groups(quant.KINDS[q], w, x[:t], sums[:t], out, 0, 5)\n"
+        "        np.save(f'{d}/{q}.{t}.npy', out)\n"
+    )
+    env = dict(os.environ, LSE_JIT_PORTABLE="1", NUMBA_CACHE_DIR=str(tmp_path / "numba"),
+               PYTHONPATH=str(Path(__file__).parents[1]))
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True, timeout=300)
+    for (qtype, tokens), out in expected.items():
+        np.testing.assert_array_equal(np.load(tmp_path / f"{qtype}.{tokens}.npy"), out)
