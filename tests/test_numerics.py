@@ -127,16 +127,18 @@ def test_backend_offers_one_cpu_device_without_codegen():
     assert isinstance(backend.open(0), CPUDevice)
 
 
-def test_every_value_stays_float32_through_every_op(llama_checkpoint):
-    """A step with every sampling op switched on; each group's outputs are recorded."""
+def test_every_value_stays_float32_through_every_op(llama_checkpoint, monkeypatch):
+    """A step with every sampling op switched on; each group's outputs are recorded (unlinked, so
+    that every group is a stage of its own)."""
+    monkeypatch.setattr(CPUDevice, "can_link", lambda self, kernel: False)
     plan = cpu_plan(load_hf(str(llama_checkpoint)))
     dtypes = {}
-    for placement in plan.placements:
-        def record(inputs, step, kernel=placement.kernel, group=placement.group):
+    for stage in plan.stages:
+        def record(inputs, step, kernel=stage.kernel, names=stage.outputs):
             outputs = kernel(inputs, step)
-            dtypes.update({name: out.dtype for name, out in zip(group.outputs, outputs, strict=True)})
+            dtypes.update({name: out.dtype for name, out in zip(names, outputs, strict=True)})
             return outputs
-        placement.kernel = record
+        stage.kernel = record
     prompt = prompt_ids(llama_checkpoint)
     sampling = greedy_sampling(1)
     sampling.temperature[:], sampling.top_k[:], sampling.top_p[:], sampling.min_p[:] = 0.7, 50, 0.9, 0.01

@@ -1,13 +1,16 @@
 """numpy kernels for the model ops of lse_core.graph.ir, one factory per op.
 
-A factory gets the node, its weights (float32, laid out once at compile) and the CompileContext,
-and returns ``run(inputs, step) -> output`` where inputs follow ``node.inputs``. Outputs are views
+A factory gets the node, its weights (float32, laid out once at compile; a wide linear's matrix and
+an embedding table as .T views, see reads_transposed) and the CompileContext, and returns
+``run(inputs, step) -> output`` where inputs follow ``node.inputs``. Outputs are views
 of buffers kept across steps; every constant is float32 so nothing is promoted to float64.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -15,6 +18,7 @@ from lse_core.devices.hookspec import CompileContext
 from lse_core.graph.ir import Node, Step, rope_inv_freq
 
 NodeKernel = Callable[[Sequence[np.ndarray], Step], np.ndarray]
+KernelFactory = Callable[[Node, list[np.ndarray], CompileContext], NodeKernel]
 
 
 class OutputBuffer:
@@ -23,20 +27,50 @@ class OutputBuffer:
     def __init__(self, rows: int, dtype: type = np.float32) -> None:
         self.rows, self.dtype = rows, dtype
         self.array: np.ndarray | None = None
+        self._views: dict[tuple[int, int], np.ndarray] = {}  # (n, width) -> array[:n]: sliced once
 
     def take(self, n: int, width: int) -> np.ndarray:
-        if self.array is None or self.array.shape[0] < n or self.array.shape[1] != width:
-            self.array = np.empty((max(n, self.rows), width), self.dtype)
-        return self.array[:n]
+        view = self._views.get((n, width))
+        if view is None:
+            if self.array is None or self.array.shape[0] < n or self.array.shape[1] != width:
+                self.array = np.empty((max(n, self.rows), width), self.dtype)
+                self._views.clear()
+            view = self._views[n, width] = self.array[:n]
+        return view
+
+
+class PerStep:
+    """``compute(step)`` once per step, shared by every kernel that holds this object (the first to
+    ask computes it). The step last seen and its value are one tuple, replaced whole, so kernels on
+    other threads never pair one step with another's value; holding the step keeps ``is`` exact."""
+
+    def __init__(self, compute: Callable[[Step], Any]) -> None:
+        self.compute = compute
+        self._last: tuple[Step | None, Any] = (None, None)
+
+    def __call__(self, step: Step) -> Any:
+        seen, value = self._last
+        if seen is not step:
+            value = self.compute(step)
+            self._last = (step, value)
+        return value
 
 
 def embedding(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeKernel:
+    """Rows of the [vocab, width] table. It may come as the .T view of a [width, vocab] array, laid
+    out for the output projection it is tied to (see reads_transposed); then the lookup gathers
+    columns (np.take would copy the whole table to make it C-ordered first)."""
     (table,) = params
     scale = np.float32(node.attrs.get("scale", 1.0))
     buffer = OutputBuffer(ctx.max_tokens)
+    by_rows = table.flags.c_contiguous
 
     def run(inputs: Sequence[np.ndarray], step: Step) -> np.ndarray:
-        out = np.take(table, step.tokens, axis=0, out=buffer.take(step.n_tokens, table.shape[1]))
+        out = buffer.take(step.n_tokens, table.shape[1])
+        if by_rows:
+            np.take(table, step.tokens, axis=0, out=out)
+        else:
+            np.take(table.T, step.tokens, axis=1, out=out.T)
         if scale != 1:
             out *= scale
         return out
@@ -48,27 +82,52 @@ def rms_norm(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeK
     (weight,) = params
     eps, group = np.float32(node.attrs["eps"]), node.attrs["group"]
     buffer = OutputBuffer(ctx.max_tokens)
+    inverse_rms = OutputBuffer(ctx.max_tokens)  # [rows, groups per row]
 
     def run(inputs: Sequence[np.ndarray], step: Step) -> np.ndarray:
         (x,) = inputs
-        out = buffer.take(x.shape[0], x.shape[1])
-        x3, out3 = x.reshape(x.shape[0], -1, group), out.reshape(x.shape[0], -1, group)
-        mean_square = np.mean(np.square(x3), axis=-1, keepdims=True)
-        np.multiply(x3, 1 / np.sqrt(mean_square + eps), out=out3)
+        n, width = x.shape
+        out = buffer.take(n, width)
+        if group == width:  # a whole row: no [rows, groups, group] views needed
+            x3, out3, inverse = x, out, inverse_rms.take(n, 1)
+        else:
+            x3, out3 = x.reshape(n, -1, group), out.reshape(n, -1, group)
+            inverse = inverse_rms.take(n, width // group).reshape(n, -1, 1)
+        np.vecdot(x3, x3, out=inverse, keepdims=True)  # sum of squares per group
+        inverse /= group
+        inverse += eps
+        np.sqrt(inverse, out=inverse)
+        np.reciprocal(inverse, out=inverse)
+        np.multiply(x3, inverse, out=out3)
         out3 *= weight
         return out
 
     return run
 
 
+def reads_transposed(shape: tuple[int, int]) -> bool:
+    """Whether a linear reads its [out, in] matrix faster stored [in, out]. A decode row is a GEMV,
+    and OpenBLAS's two GEMV kernels differ: the one reading [in, out] wins when out >= in (gate and
+    up 1.2x, a 49152-token output projection 1.3-1.7x, square 1.05x), the one reading [out, in] when
+    out < in (down, k and v projections 1.15-1.25x); prefill's GEMM runs alike either way (within
+    4%). Measured with SmolLM2-135M's shapes on Zen 3, OpenBLAS 0.3.31, 1 and 2 threads.
+    An embedding table ([vocab, width]) follows the same rule, so that it and a tied output
+    projection share one copy."""
+    out, in_ = shape
+    return out >= in_
+
+
 def linear(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeKernel:
+    """x @ weight.T: ``weight`` is [out, in], as a C array or as the .T view of an [in, out] one
+    (see reads_transposed); either way ``weight.T`` is a view BLAS reads without a copy."""
     weight, bias = params[0], params[1] if len(params) > 1 else None
-    weight_t = weight.T  # a view: BLAS reads [out, in] transposed without a copy
+    weight_t = weight.T
+    width = weight.shape[0]
     buffer = OutputBuffer(ctx.max_tokens)
 
     def run(inputs: Sequence[np.ndarray], step: Step) -> np.ndarray:
         (x,) = inputs
-        out = np.matmul(x, weight_t, out=buffer.take(x.shape[0], weight.shape[0]))
+        out = np.matmul(x, weight_t, out=buffer.take(x.shape[0], width))
         if bias is not None:
             out += bias
         return out
@@ -76,72 +135,124 @@ def linear(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeKer
     return run
 
 
+class RopeTable:
+    """cos and signed sin of every position for one set of frequencies, as [position, 1, 2, half]
+    (broadcast over heads; the axis of 2 is a head's two halves). One table serves every rope node
+    with the same frequencies, and a step's rows are gathered once for all of them."""
+
+    def __init__(self, inv_freq: np.ndarray, n_positions: int) -> None:
+        # float32 angles, as Hugging Face computes them
+        angles = np.arange(n_positions, dtype=np.float32)[:, None] * inv_freq[None, :]
+        cos, sin = np.cos(angles), np.sin(angles)
+        cos_table = np.stack([cos, cos], axis=1)[:, None]
+        signed_sin_table = np.stack([-sin, sin], axis=1)[:, None]
+        self.rows = PerStep(lambda step: (cos_table[step.positions], signed_sin_table[step.positions]))
+
+
+@functools.lru_cache(maxsize=16)  # keyed by the frequencies' bytes: arrays do not hash
+def _rope_table(inv_freq: bytes, n_positions: int) -> RopeTable:
+    return RopeTable(np.frombuffer(inv_freq, np.float32), n_positions)
+
+
 def rope(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeKernel:
+    """rotate_half as x * cos + swap(x) * signed_sin per head: swap(x) = (x2, x1) is a view of x
+    (its two halves as an axis of 2, reversed) and signed_sin = (-sin, sin), so both halves take
+    three ufunc calls. (-x2) * sin == x2 * (-sin) exactly: the result is Hugging Face's to the bit."""
     head_dim = node.attrs["head_dim"]
     inv_freq = rope_inv_freq(node.attrs)
     half = len(inv_freq)
-    # float32 angles, as Hugging Face computes them, for every position the cache can hold
-    angles = np.arange(ctx.kv_len, dtype=np.float32)[:, None] * inv_freq[None, :]
-    cos_table, sin_table = np.cos(angles), np.sin(angles)
-    buffer = OutputBuffer(ctx.max_tokens)
+    rotated = 2 * half  # head_dim, or less for partial rotary: the rest passes through
+    table = _rope_table(inv_freq.tobytes(), ctx.kv_len)
+    buffer, swapped_products = OutputBuffer(ctx.max_tokens), OutputBuffer(ctx.max_tokens)
 
     def run(inputs: Sequence[np.ndarray], step: Step) -> np.ndarray:
         (x,) = inputs
-        n = x.shape[0]
-        out = buffer.take(n, x.shape[1])
-        x3, out3 = x.reshape(n, -1, head_dim), out.reshape(n, -1, head_dim)
-        cos, sin = cos_table[step.positions][:, None, :], sin_table[step.positions][:, None, :]
-        x1, x2 = x3[..., :half], x3[..., half:2 * half]
-        out3[..., :half] = x1 * cos - x2 * sin
-        out3[..., half:2 * half] = x2 * cos + x1 * sin
-        out3[..., 2 * half:] = x3[..., 2 * half:]  # partial rotary: the rest passes through
+        n, width = x.shape
+        out = buffer.take(n, width)
+        halves_shape = (n, width // head_dim, 2, half)
+        if rotated == head_dim:
+            x4, out4 = x.reshape(halves_shape), out.reshape(halves_shape)
+        else:
+            x3, out3 = x.reshape(n, -1, head_dim), out.reshape(n, -1, head_dim)
+            out3[..., rotated:] = x3[..., rotated:]
+            x4, out4 = x3[..., :rotated].reshape(halves_shape), out3[..., :rotated].reshape(halves_shape)
+        products = swapped_products.take(n, width // head_dim * rotated).reshape(halves_shape)
+        cos, signed_sin = table.rows(step)
+        np.multiply(x4, cos, out=out4)
+        np.multiply(x4[:, :, ::-1], signed_sin, out=products)
+        out4 += products
         return out
 
     return run
+
+
+def _sequences(step: Step) -> list[tuple[int, int, int, list[int]]]:
+    """(slot, first row, end row, positions) of each sequence with rows in the step."""
+    bounds, positions = step.query_starts.tolist(), step.positions.tolist()
+    return [(slot, r0, r1, positions[r0:r1])
+            for slot, r0, r1 in zip(step.slots.tolist(), bounds, bounds[1:]) if r0 < r1]
+
+
+sequences_of = PerStep(_sequences)  # the same for every attention node of a step
 
 
 def attention(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeKernel:
     n_heads, n_kv, head_dim = node.attrs["n_heads"], node.attrs["n_kv_heads"], node.attrs["head_dim"]
     group = n_heads // n_kv
     scale, window = np.float32(node.attrs["scale"]), int(node.attrs.get("window") or 0)
-    # np.zeros: the OS commits pages only when a slot's positions are first written
-    k_cache = np.zeros((ctx.kv_slots, ctx.kv_len, n_kv, head_dim), np.float32)
-    v_cache = np.zeros_like(k_cache)
+    # [slot, kv head, position, head_dim]: a kv head's keys are one contiguous [positions, head_dim]
+    # block, which BLAS reads as it is. np.zeros: the OS commits pages only when first written.
+    k_cache = np.zeros((ctx.kv_slots, n_kv, ctx.kv_len, head_dim), np.float32)
+    v_cache = np.zeros(k_cache.shape, np.float32)  # not zeros_like: that writes every page at once
     buffer = OutputBuffer(ctx.max_tokens)
 
     def run(inputs: Sequence[np.ndarray], step: Step) -> np.ndarray:
         q, k, v = inputs
-        rows = np.diff(step.query_starts)
-        row_slots = np.repeat(step.slots, rows)
-        k_cache[row_slots, step.positions] = k.reshape(-1, n_kv, head_dim)
-        v_cache[row_slots, step.positions] = v.reshape(-1, n_kv, head_dim)
         out = buffer.take(q.shape[0], n_heads * head_dim)
-        for i, slot in enumerate(step.slots):
-            r0, r1 = step.query_starts[i], step.query_starts[i + 1]
-            if r0 < r1:
-                out[r0:r1] = _attend(q[r0:r1], k_cache[slot], v_cache[slot], step.positions[r0:r1])
+        for slot, r0, r1, positions in sequences_of(step):
+            _attend(q[r0:r1], k[r0:r1], v[r0:r1], k_cache[slot], v_cache[slot], positions, out[r0:r1])
         return out
 
-    def _attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """One sequence's query rows against its cached positions [first, last]."""
+    def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                positions: list[int], out: np.ndarray) -> None:
+        """One sequence: its k, v rows into its slot's cache, then its query rows against the cached
+        positions [first, last]."""
         n = q.shape[0]
-        last = int(positions.max())
-        first = max(0, int(positions.min()) - window + 1) if window else 0
-        keys, values = keys[first:last + 1], values[first:last + 1]
-        # [n_kv, n * group, head_dim]: the query heads that read each kv head, row by row
-        q_grouped = q.reshape(n, n_kv, group, head_dim).transpose(1, 0, 2, 3).reshape(n_kv, n * group, head_dim)
-        scores = np.matmul(q_grouped, keys.transpose(1, 2, 0)) * scale
+        if n == 1:  # a decode row: plain indexing, far cheaper than a fancy-indexed write
+            last = lowest = positions[0]
+            keys[:, last] = k.reshape(n_kv, head_dim)
+            values[:, last] = v.reshape(n_kv, head_dim)
+        else:
+            last, lowest = max(positions), min(positions)
+            keys[:, positions] = k.reshape(n, n_kv, head_dim).transpose(1, 0, 2)
+            values[:, positions] = v.reshape(n, n_kv, head_dim).transpose(1, 0, 2)
+        first = max(0, lowest - window + 1) if window else 0
+        keys, values = keys[:, None, first:last + 1], values[:, None, first:last + 1]  # [n_kv, 1, t, head_dim]
+        # The query heads that read each kv head, as a [n_kv, group, 1, head_dim] view of a single
+        # row (head h = kv * group + g): a matrix-vector product per query head, cheaper than BLAS's
+        # matrix product on a [group, head_dim] matrix. Several rows: [n_kv, 1, n * group, head_dim],
+        # one matrix product per kv head.
+        if n == 1:
+            q_grouped = q.reshape(n_kv, group, 1, head_dim)
+        else:
+            q_grouped = q.reshape(n, n_kv, group, head_dim).transpose(1, 0, 2, 3).reshape(n_kv, 1, n * group, head_dim)
+        scores = np.matmul(q_grouped, keys.transpose(0, 1, 3, 2))
+        scores *= scale
         if n > 1 or window:
             key_positions = np.arange(first, last + 1)
-            visible = key_positions[None, :] <= positions[:, None]
+            query_positions = np.array(positions)[:, None]
+            hidden = key_positions[None, :] > query_positions
             if window:
-                visible &= key_positions[None, :] > positions[:, None] - window
-            scores = np.where(np.repeat(visible, group, axis=0), scores, np.float32(-np.inf))
-        scores -= scores.max(axis=-1, keepdims=True)
+                hidden |= key_positions[None, :] <= query_positions - window
+            np.copyto(scores.reshape(n_kv, n, group, -1), np.float32(-np.inf), where=hidden[None, :, None, :])
+        scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
         probs = np.exp(scores, out=scores)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        mixed = np.matmul(probs, values.transpose(1, 0, 2))  # [n_kv, n * group, head_dim]
-        return mixed.reshape(n_kv, n, group, head_dim).transpose(1, 0, 2, 3).reshape(n, n_heads * head_dim)
+        probs /= np.add.reduce(probs, axis=-1, keepdims=True)
+        if n == 1:
+            np.matmul(probs, values, out=out.reshape(n_kv, group, 1, head_dim))
+        else:
+            mixed = np.matmul(probs, values)  # [n_kv, 1, n * group, head_dim]
+            out.reshape(n, n_kv, group, head_dim)[...] = mixed.reshape(n_kv, n, group, head_dim).transpose(1, 0, 2, 3)
 
     return run
 
@@ -156,15 +267,31 @@ def last_rows(node: Node, params: list[np.ndarray], ctx: CompileContext) -> Node
     return run
 
 
-def _elementwise(apply: Callable[..., None]) -> Callable[[Node, list[np.ndarray], CompileContext], NodeKernel]:
-    """A factory for an elementwise op: ``apply(node, out, *inputs)`` fills ``out``."""
+def _binary(ufunc: np.ufunc) -> KernelFactory:
+    """add, mul: one ufunc call into the output buffer."""
 
     def factory(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeKernel:
         buffer = OutputBuffer(ctx.max_tokens)
 
         def run(inputs: Sequence[np.ndarray], step: Step) -> np.ndarray:
-            out = buffer.take(*inputs[0].shape)
-            apply(node, out, *inputs)
+            a, b = inputs
+            return ufunc(a, b, out=buffer.take(*a.shape))
+
+        return run
+
+    return factory
+
+
+def _unary(apply: Callable[[np.ndarray, np.ndarray], None]) -> KernelFactory:
+    """silu, gelu: ``apply(out, x)`` fills the output buffer."""
+
+    def factory(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeKernel:
+        buffer = OutputBuffer(ctx.max_tokens)
+
+        def run(inputs: Sequence[np.ndarray], step: Step) -> np.ndarray:
+            (x,) = inputs
+            out = buffer.take(*x.shape)
+            apply(out, x)
             return out
 
         return run
@@ -172,17 +299,33 @@ def _elementwise(apply: Callable[..., None]) -> Callable[[Node, list[np.ndarray]
     return factory
 
 
-def _silu(node: Node, out: np.ndarray, x: np.ndarray) -> None:
-    with np.errstate(over="ignore"):  # exp(-x) overflows to inf for very negative x; x / inf = 0
-        np.exp(np.negative(x, out=out), out=out)
-    out += np.float32(1)
+def _scale(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeKernel:
+    factor = np.float32(node.attrs["factor"])
+    buffer = OutputBuffer(ctx.max_tokens)
+
+    def run(inputs: Sequence[np.ndarray], step: Step) -> np.ndarray:
+        (x,) = inputs
+        return np.multiply(x, factor, out=buffer.take(*x.shape))
+
+    return run
+
+
+def _silu(out: np.ndarray, x: np.ndarray) -> None:
+    """x / (1 + exp(-x)), with -x clamped at 88 so exp stays inside float32's range (no overflow
+    warning to silence, which np.errstate would, at a cost every call): for x < -88 the result is
+    below 1e-36 either way."""
+    np.negative(x, out=out)
+    np.minimum(out, _EXP_LIMIT, out=out)
+    np.exp(out, out=out)
+    out += _ONE
     np.divide(x, out, out=out)
 
 
+_EXP_LIMIT, _ONE = np.float32(88), np.float32(1)
 _GELU_C = np.float32(np.sqrt(2 / np.pi))
 
 
-def _gelu(node: Node, out: np.ndarray, x: np.ndarray) -> None:
+def _gelu(out: np.ndarray, x: np.ndarray) -> None:
     """The tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
     np.multiply(x, x, out=out)
     out *= np.float32(0.044715)
@@ -195,16 +338,16 @@ def _gelu(node: Node, out: np.ndarray, x: np.ndarray) -> None:
     out *= np.float32(0.5)
 
 
-MODEL_KERNELS: dict[str, Callable[[Node, list[np.ndarray], CompileContext], NodeKernel]] = {
+MODEL_KERNELS: dict[str, KernelFactory] = {
     "embedding": embedding,
     "rms_norm": rms_norm,
     "linear": linear,
     "rope": rope,
     "attention": attention,
     "last_rows": last_rows,
-    "silu": _elementwise(_silu),
-    "gelu": _elementwise(_gelu),
-    "add": _elementwise(lambda node, out, a, b: np.add(a, b, out=out)),
-    "mul": _elementwise(lambda node, out, a, b: np.multiply(a, b, out=out)),
-    "scale": _elementwise(lambda node, out, x: np.multiply(x, np.float32(node.attrs["factor"]), out=out)),
+    "silu": _unary(_silu),
+    "gelu": _unary(_gelu),
+    "add": _binary(np.add),
+    "mul": _binary(np.multiply),
+    "scale": _scale,
 }
