@@ -70,7 +70,10 @@ def attention(q, k, v, k_cache, v_cache, positions, slots, query_starts, n_heads
                     k_cache[slots[i], g, positions[t], d] = k[t, g * head_dim + d]
                     v_cache[slots[i], g, positions[t], d] = v[t, g * head_dim + d]
     for item in prange(n_rows * n_kv):
-        t, g = item // n_kv, item % n_kv
+        # rows zigzag (0, n-1, 1, n-2, ...): a prefill row's work grows with its position, and prange
+        # hands each thread a contiguous range of items, which then holds short and long rows alike
+        r, g = item // n_kv, item % n_kv
+        t = r // 2 if r % 2 == 0 else n_rows - 1 - r // 2
         p = positions[t]
         first = max(0, p - window + 1) if window > 0 else 0
         _attend(q, k_cache[row_slot[t], g], v_cache[row_slot[t], g], first, p + 1, t, g, n_heads // n_kv,
