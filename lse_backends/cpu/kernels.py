@@ -8,14 +8,13 @@ of buffers kept across steps; every constant is float32 so nothing is promoted t
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from lse_core.devices.hookspec import CompileContext
-from lse_core.graph.ir import Node, Step, rope_inv_freq
+from lse_core.graph.ir import Node, Step, rope_cos_sin
 
 NodeKernel = Callable[[Sequence[np.ndarray], Step], np.ndarray]
 KernelFactory = Callable[[Node, list[np.ndarray], CompileContext], NodeKernel]
@@ -140,18 +139,14 @@ class RopeTable:
     (broadcast over heads; the axis of 2 is a head's two halves). One table serves every rope node
     with the same frequencies, and a step's rows are gathered once for all of them."""
 
-    def __init__(self, inv_freq: np.ndarray, n_positions: int) -> None:
-        # float32 angles, as Hugging Face computes them
-        angles = np.arange(n_positions, dtype=np.float32)[:, None] * inv_freq[None, :]
-        cos, sin = np.cos(angles), np.sin(angles)
+    def __init__(self, cos: np.ndarray, sin: np.ndarray) -> None:
+        self.source = (cos, sin)  # kept, so the ids this table is found by stay unique
         cos_table = np.stack([cos, cos], axis=1)[:, None]
         signed_sin_table = np.stack([-sin, sin], axis=1)[:, None]
         self.rows = PerStep(lambda step: (cos_table[step.positions], signed_sin_table[step.positions]))
 
 
-@functools.lru_cache(maxsize=16)  # keyed by the frequencies' bytes: arrays do not hash
-def _rope_table(inv_freq: bytes, n_positions: int) -> RopeTable:
-    return RopeTable(np.frombuffer(inv_freq, np.float32), n_positions)
+_rope_tables: dict[tuple[int, int], RopeTable] = {}  # by the ids of the (cos, sin) rope_cos_sin shares
 
 
 def rope(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeKernel:
@@ -159,10 +154,12 @@ def rope(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeKerne
     (its two halves as an axis of 2, reversed) and signed_sin = (-sin, sin), so both halves take
     three ufunc calls. (-x2) * sin == x2 * (-sin) exactly: the result is Hugging Face's to the bit."""
     head_dim = node.attrs["head_dim"]
-    inv_freq = rope_inv_freq(node.attrs)
-    half = len(inv_freq)
+    cos, sin = rope_cos_sin(node.attrs, ctx.kv_len)
+    half = cos.shape[1]
     rotated = 2 * half  # head_dim, or less for partial rotary: the rest passes through
-    table = _rope_table(inv_freq.tobytes(), ctx.kv_len)
+    table = _rope_tables.get((id(cos), id(sin)))
+    if table is None:
+        table = _rope_tables[id(cos), id(sin)] = RopeTable(cos, sin)
     buffer, swapped_products = OutputBuffer(ctx.max_tokens), OutputBuffer(ctx.max_tokens)
 
     def run(inputs: Sequence[np.ndarray], step: Step) -> np.ndarray:
@@ -267,31 +264,15 @@ def last_rows(node: Node, params: list[np.ndarray], ctx: CompileContext) -> Node
     return run
 
 
-def _binary(ufunc: np.ufunc) -> KernelFactory:
-    """add, mul: one ufunc call into the output buffer."""
+def _elementwise(apply: Callable[..., None]) -> KernelFactory:
+    """A factory for an elementwise op: ``apply(node, out, *inputs)`` fills the output buffer."""
 
     def factory(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeKernel:
         buffer = OutputBuffer(ctx.max_tokens)
 
         def run(inputs: Sequence[np.ndarray], step: Step) -> np.ndarray:
-            a, b = inputs
-            return ufunc(a, b, out=buffer.take(*a.shape))
-
-        return run
-
-    return factory
-
-
-def _unary(apply: Callable[[np.ndarray, np.ndarray], None]) -> KernelFactory:
-    """silu, gelu: ``apply(out, x)`` fills the output buffer."""
-
-    def factory(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeKernel:
-        buffer = OutputBuffer(ctx.max_tokens)
-
-        def run(inputs: Sequence[np.ndarray], step: Step) -> np.ndarray:
-            (x,) = inputs
-            out = buffer.take(*x.shape)
-            apply(out, x)
+            out = buffer.take(*inputs[0].shape)
+            apply(node, out, *inputs)
             return out
 
         return run
@@ -299,18 +280,7 @@ def _unary(apply: Callable[[np.ndarray, np.ndarray], None]) -> KernelFactory:
     return factory
 
 
-def _scale(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeKernel:
-    factor = np.float32(node.attrs["factor"])
-    buffer = OutputBuffer(ctx.max_tokens)
-
-    def run(inputs: Sequence[np.ndarray], step: Step) -> np.ndarray:
-        (x,) = inputs
-        return np.multiply(x, factor, out=buffer.take(*x.shape))
-
-    return run
-
-
-def _silu(out: np.ndarray, x: np.ndarray) -> None:
+def _silu(node: Node, out: np.ndarray, x: np.ndarray) -> None:
     """x / (1 + exp(-x)), with -x clamped at 88 so exp stays inside float32's range (no overflow
     warning to silence, which np.errstate would, at a cost every call): for x < -88 the result is
     below 1e-36 either way."""
@@ -325,7 +295,7 @@ _EXP_LIMIT, _ONE = np.float32(88), np.float32(1)
 _GELU_C = np.float32(np.sqrt(2 / np.pi))
 
 
-def _gelu(out: np.ndarray, x: np.ndarray) -> None:
+def _gelu(node: Node, out: np.ndarray, x: np.ndarray) -> None:
     """The tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
     np.multiply(x, x, out=out)
     out *= np.float32(0.044715)
@@ -345,9 +315,9 @@ MODEL_KERNELS: dict[str, KernelFactory] = {
     "rope": rope,
     "attention": attention,
     "last_rows": last_rows,
-    "silu": _unary(_silu),
-    "gelu": _unary(_gelu),
-    "add": _binary(np.add),
-    "mul": _binary(np.multiply),
-    "scale": _scale,
+    "silu": _elementwise(_silu),
+    "gelu": _elementwise(_gelu),
+    "add": _elementwise(lambda node, out, a, b: np.add(a, b, out=out)),
+    "mul": _elementwise(lambda node, out, a, b: np.multiply(a, b, out=out)),
+    "scale": _elementwise(lambda node, out, x: np.multiply(x, np.float32(node.attrs["factor"]), out=out)),
 }

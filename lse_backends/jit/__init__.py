@@ -12,7 +12,7 @@ import numpy as np
 
 from lse_core.devices.hookspec import Backend, CompileContext, Device, DeviceInfo, Kernel, hookimpl
 from lse_core.graph.fuse import FusedGroup
-from lse_core.graph.ir import SAMPLING_OP_NEEDED, Node, Step, rope_inv_freq
+from lse_core.graph.ir import SAMPLING_OP_NEEDED, Node, Step, rope_cos_sin
 
 try:
     import numba
@@ -35,7 +35,6 @@ class JitDevice(Device):
         # id(weight) -> (weight, laid-out form): a weight read by several groups (tied embeddings) is
         # prepared once; the source is kept so its id stays unique
         self._prepared: dict[int, tuple[Any, Any]] = {}
-        self.rope_tables: dict[tuple[int, bytes], tuple[np.ndarray, np.ndarray]] = {}
 
     def _weight(self, weight: Any) -> tuple[int, np.ndarray] | np.ndarray:
         """(kind, blocks) for a GGUF type the quantized kernels read in place, else a float32 array."""
@@ -80,7 +79,6 @@ class JitDevice(Device):
 
     def close(self) -> None:
         self._prepared.clear()
-        self.rope_tables.clear()
 
 
 def llvm_host_cpu() -> str:
@@ -114,14 +112,8 @@ def _linear(device: JitDevice, node: Node, params: list[Any], ctx: CompileContex
 
 
 def _rope(device: JitDevice, node: Node, params: list[Any], ctx: CompileContext) -> Instruction:
-    inv_freq = rope_inv_freq(node.attrs)
-    key = (ctx.kv_len, inv_freq.tobytes())
-    if key not in device.rope_tables:  # q and k of every layer share one pair of tables
-        # float32 angles, as Hugging Face computes them, for every position the cache can hold
-        angles = np.arange(ctx.kv_len, dtype=np.float32)[:, None] * inv_freq[None, :]
-        device.rope_tables[key] = (np.cos(angles), np.sin(angles))
-    return Instruction(ROPE, (node.output,), node.inputs, (*device.rope_tables[key], int(node.attrs["head_dim"])),
-                       uses_cache=True)
+    cos, sin = rope_cos_sin(node.attrs, ctx.kv_len)  # every position the cache can hold
+    return Instruction(ROPE, (node.output,), node.inputs, (cos, sin, int(node.attrs["head_dim"])), uses_cache=True)
 
 
 def _attention(device: JitDevice, node: Node, params: list[Any], ctx: CompileContext) -> Instruction:

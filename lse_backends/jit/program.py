@@ -157,7 +157,7 @@ class Program:
             row[IN:IN + len(ins.inputs)] = [self.slot[v] for v in ins.inputs]
             row[ARG:ARG + len(args)] = args
             self.floats[k, 0] = ins.scalar
-        self.lists = {kind: _typed(kind, items) for kind, items in lists.items()}
+        self.resources = lists  # as typed lists at the first call: a group's program is often only linked
         self.acts: list[np.ndarray] = []
 
     def _allocate(self, inputs: Sequence[np.ndarray], rows: int) -> None:
@@ -186,6 +186,7 @@ class Program:
                 if last_read.get(slot, k) == k:  # read last here, or produced here and never read
                     free.setdefault(width[slot], []).append(buffer[slot])
         self.acts = [buffer[k] for k in range(len(self.slot))]
+        self.lists = {kind: _typed(kind, items) for kind, items in self.resources.items()}
         self.capacity = rows
         self.typed_acts = _typed("acts", self.acts)
         self.typed_flats = _typed("flats", [a.reshape(-1) for a in self.acts])

@@ -416,7 +416,8 @@ def prepare(qtype: str, data: np.ndarray) -> tuple[int, np.ndarray]:
     if data.ndim != 2 or data.shape[1] % LAYOUT[kind][0]:
         raise ValueError(f"{qtype} blocks must be [rows, n / 32 * {LAYOUT[kind][0]}] bytes, not {data.shape}")
     grouped = data.shape[0] // GROUP * GROUP
-    blocks = data.copy()  # the last rows % 8 rows stay as they are
+    blocks = np.empty_like(data)
+    blocks[grouped:] = data[grouped:]  # the last rows % 8 rows stay as they are
     if grouped:
         blocks[:grouped] = _interleave(data[:grouped], kind)
     return kind, blocks

@@ -42,6 +42,7 @@ groups it runs:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,3 +162,18 @@ def rope_inv_freq(attrs: dict[str, Any]) -> np.ndarray:
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope_scaling type {kind!r}")
     return inv.astype(np.float32)
+
+
+def rope_cos_sin(attrs: dict[str, Any], n_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [n_positions, rotary_dim / 2] of a rope node's angles for every position, float32 as
+    Hugging Face computes them; one read-only pair for every node (and plan) with the same frequencies."""
+    return _cos_sin(rope_inv_freq(attrs).tobytes(), n_positions)
+
+
+@functools.lru_cache(maxsize=16)  # keyed by the frequencies' bytes: arrays do not hash
+def _cos_sin(inv_freq: bytes, n_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    angles = np.arange(n_positions, dtype=np.float32)[:, None] * np.frombuffer(inv_freq, np.float32)[None, :]
+    cos, sin = np.cos(angles), np.sin(angles)
+    cos.setflags(write=False)
+    sin.setflags(write=False)
+    return cos, sin
