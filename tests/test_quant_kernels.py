@@ -18,9 +18,9 @@ import lse_backends.jit.quant as quant
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 TOKENS = (1, 2, 3, 5, 16, 37)  # tiles of 1, 4 and 8 tokens and every remainder they leave
 # rows: one group (the two-group tile clamped), an odd number of groups, groups plus 5 rows kept as
-# stored, only such rows; 200 rows take the parallel path from 2 tokens, 600 rows from 1. n: one block,
-# odd and even numbers of blocks.
-SHAPES = ((8, 32), (24, 96), (37, 320), (5, 64), (200, 320), (600, 128))
+# stored, only such rows; 200 rows split into several work items from 2 tokens, 600 rows from 1. n: one
+# block, odd and even numbers of blocks.
+SHAPES = ((8, 32), (24, 96), (37, 320), (5, 64), (200, 320), (600, 256))
 RNG = np.random.default_rng(0)
 
 
@@ -43,12 +43,18 @@ def assert_close_to_reference(out: np.ndarray, x: np.ndarray, dense: np.ndarray)
     assert np.abs(out - reference).max() <= 1e-5 * np.abs(reference).max()
 
 
-def test_the_shapes_reach_both_paths():
-    """SHAPES x TOKENS run on the calling thread and in parallel, for one token and for several."""
-    work = [rows * n // quant.BLOCK * tokens for rows, n in SHAPES for tokens in TOKENS]
-    assert min(work) < quant.SERIAL_WORK <= max(work)
-    assert any(rows * n // quant.BLOCK < quant.SERIAL_WORK <= rows * n // quant.BLOCK * 37 for rows, n in SHAPES)
-    assert any(rows * n // quant.BLOCK >= quant.SERIAL_WORK for rows, n in SHAPES)  # decode in parallel too
+def items(rows: int, n: int, tokens: int) -> int:
+    return quant.linear_items(np.empty((rows, n // quant.BLOCK * 18), np.uint8), np.empty((tokens, n), np.float32))
+
+
+def test_the_shapes_reach_one_and_several_work_items():
+    """SHAPES x TOKENS run as one item (on the calling thread) and as several (in parallel), for one token
+    and for several; items hold whole pairs of row groups, so a shape never has more items than pairs."""
+    counts = {(rows, n, tokens): items(rows, n, tokens) for rows, n in SHAPES for tokens in TOKENS}
+    assert min(counts.values()) == 1 and max(counts.values()) > 2
+    assert any(items(rows, n, 1) == 1 < items(rows, n, 37) for rows, n in SHAPES)
+    assert any(items(rows, n, 1) > 1 for rows, n in SHAPES)  # decode in parallel too
+    assert all(count <= max(1, (rows // quant.GROUP + 1) // 2) for (rows, _, _), count in counts.items())
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -110,27 +116,29 @@ def test_portable_ir_gives_the_same_floats(tmp_path):
     of vcvtph2ps; every other operation is the same IR, so the results are bit for bit the same. The
     subprocess compiles the row-group driver only (every tile; linear adds no IR of its own)."""
     x = RNG.standard_normal((16, 96)).astype(np.float32)
-    sums = x.reshape(16, 3, quant.BLOCK).sum(axis=-1)
     np.save(tmp_path / "x.npy", x)
-    np.save(tmp_path / "sums.npy", sums)
     expected = {}
     for qtype in QTYPES:
         kind, laid_out = prepared(qtype, gguf_weight(qtype, 40, 96)[0])
         np.save(tmp_path / f"{qtype}.npy", laid_out)
         for tokens in (1, 3, 16):
             out = np.full((tokens, 40), np.nan, np.float32)
-            quant._groups(kind, laid_out, x[:tokens], sums[:tokens], out, 0, 5)
+            sums = np.empty((2, 3), np.float32)
+            quant.block_sums(kind, x[:tokens], sums)
+            quant._groups(kind, laid_out, x[:tokens], out, 0, 5, sums)
             expected[qtype, tokens] = out
     script = (
         "import sys, numpy as np\n"
         "import lse_backends.jit.quant as quant\n"
         "assert not quant.AVX2\n"
-        "d = sys.argv[1]; x, sums = np.load(d + '/x.npy'), np.load(d + '/sums.npy')\n"
+        "d = sys.argv[1]; x = np.load(d + '/x.npy')\n"
         "for q in ('Q4_0', 'Q4_1', 'Q8_0'):\n"
         "    for t in (1, 3, 16):\n"
         "        out = np.full((t, 40), np.nan, np.float32)\n"
         "        w = np.load(f'{d}/{q}.npy'); w.flags.writeable = False\n"
-        "        quant._groups(quant.KINDS[q], w, x[:t], sums[:t], out, 0, 5)\n"
+        "        sums = np.empty((2, 3), np.float32)\n"
+        "        quant.block_sums(quant.KINDS[q], x[:t], sums)\n"
+        "        quant._groups(quant.KINDS[q], w, x[:t], out, 0, 5, sums)\n"
         "        np.save(f'{d}/{q}.{t}.npy', out)\n"
     )
     env = dict(os.environ, LSE_JIT_PORTABLE="1", NUMBA_CACHE_DIR=str(tmp_path / "numba"),

@@ -53,8 +53,8 @@ class JitDevice(Device):
         if group.sampling_op is not None:
             return _sampling_kernel(group, ctx)
         if codegen.unsupported(group) is None:
-            serial, parallel = codegen.compile_elementwise(group)
-            instructions = [Instruction(FUSED, group.outputs, group.inputs, (serial, parallel))]
+            fused = codegen.compile_elementwise(group)
+            instructions = [Instruction(FUSED, group.outputs, group.inputs, (fused,))]
         elif len(group.nodes) != 1:
             return f"{codegen.unsupported(group)} inside a fused group"
         elif (factory := _INSTRUCTIONS.get(group.nodes[0].op)) is None:

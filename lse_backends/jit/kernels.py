@@ -1,15 +1,15 @@
 """numba kernels for the non-linear model ops of lse_core.graph.ir (semantics documented there).
 
-Every kernel writes into an output array the caller preallocated and takes only arrays and
-scalars, so a program (program.py) drives them from one @njit function. Light row-wise kernels run
-serially (a parallel region costs more than a decode row's work); attention and the float32 linear
-run in parallel and let LLVM reassociate their dot products so they vectorize.
+Every kernel writes into an output array the caller preallocated, takes only arrays and scalars, and
+runs on the calling thread over the range of rows (or items) it is given: a program (program.py) hands
+the ranges to its threads. Attention and the float32 linear let LLVM reassociate their dot products so
+they vectorize.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 # reassociation lets LLVM vectorize dot products; no nnan/ninf, so infinities and NaNs stay IEEE
 _ATTENTION_MATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -53,25 +53,28 @@ def rope(x, positions, cos_table, sin_table, head_dim, out):
                 out[t, i] = x[t, i]
 
 
-@njit(cache=True, parallel=True, fastmath=_ATTENTION_MATH)
-def attention(q, k, v, k_cache, v_cache, positions, slots, query_starts, n_heads, scale, window, out):
-    """Write the step's k, v rows into the caches [slots, n_kv, kv_len, head_dim] at (slot, position),
-    then each query row attends to its sequence's positions [max(0, p - window + 1), p]
-    (window 0: from 0); query head h reads kv head h // (n_heads // n_kv). Head-major caches keep a kv
-    head's keys contiguous, so the dot products over head_dim vectorize."""
+@njit(cache=True)
+def store_kv(k, v, k_cache, v_cache, positions, row_slot, t0, t1):
+    """Write rows t0 .. t1 - 1 of the step's k and v into the caches [slots, n_kv, kv_len, head_dim] at
+    (row_slot[t], positions[t])."""
     n_kv, head_dim = k_cache.shape[1], k_cache.shape[3]
-    n_rows = q.shape[0]
-    row_slot = np.empty(n_rows, np.int64)
-    for i in range(slots.shape[0]):
-        for t in range(query_starts[i], query_starts[i + 1]):
-            row_slot[t] = slots[i]
-            for g in range(n_kv):
-                for d in range(head_dim):
-                    k_cache[slots[i], g, positions[t], d] = k[t, g * head_dim + d]
-                    v_cache[slots[i], g, positions[t], d] = v[t, g * head_dim + d]
-    for item in prange(n_rows * n_kv):
-        # rows zigzag (0, n-1, 1, n-2, ...): a prefill row's work grows with its position, and prange
-        # hands each thread a contiguous range of items, which then holds short and long rows alike
+    for t in range(t0, t1):
+        for g in range(n_kv):
+            for d in range(head_dim):
+                k_cache[row_slot[t], g, positions[t], d] = k[t, g * head_dim + d]
+                v_cache[row_slot[t], g, positions[t], d] = v[t, g * head_dim + d]
+
+
+@njit(cache=True)
+def attention(q, k_cache, v_cache, positions, row_slot, n_heads, scale, window, out, i0, i1):
+    """Items i0 .. i1 - 1 of a step's n_rows x n_kv (query row, kv head) pairs: each query row attends to
+    its sequence's cached positions [max(0, p - window + 1), p] (window 0: from 0); query head h reads
+    kv head h // (n_heads // n_kv). Head-major caches keep a kv head's keys contiguous, so the dot
+    products over head_dim vectorize."""
+    n_kv, n_rows = k_cache.shape[1], q.shape[0]
+    for item in range(i0, i1):
+        # rows zigzag (0, n-1, 1, n-2, ...): a prefill row's work grows with its position, so each
+        # range of items holds short and long rows alike
         r, g = item // n_kv, item % n_kv
         t = r // 2 if r % 2 == 0 else n_rows - 1 - r // 2
         p = positions[t]
@@ -118,15 +121,14 @@ def _attend(q, keys, values, first, end, t, g, group, scale, out):
 ROW_TILE, TOKEN_TILE = 16, 8  # a 16-row weight tile and 8 token rows stay in L1/L2 while they meet
 
 
-@njit(cache=True, parallel=True, fastmath=_ATTENTION_MATH)
-def linear_f32(x, weight, out):
-    """out = x @ weight.T for float32 weights: tiles of weight rows in parallel, each read from memory
-    once per step and met by every token in tiles of a few rows (GEMM-shaped for prefill)."""
-    n_rows, n_tokens = weight.shape[0], x.shape[0]
-    for tile in prange((n_rows + ROW_TILE - 1) // ROW_TILE):
-        r1 = min(n_rows, (tile + 1) * ROW_TILE)
+@njit(cache=True, fastmath=_ATTENTION_MATH)
+def linear_f32(x, weight, out, r0, r1):
+    """Rows r0 .. r1 - 1 of out = x @ weight.T for float32 weights: tiles of weight rows, each read from
+    memory once per step and met by every token in tiles of a few rows (GEMM-shaped for prefill)."""
+    n_tokens = x.shape[0]
+    for tile in range(r0, r1, ROW_TILE):
         for t0 in range(0, n_tokens, TOKEN_TILE):
-            for r in range(tile * ROW_TILE, r1):
+            for r in range(tile, min(r1, tile + ROW_TILE)):
                 for t in range(t0, min(n_tokens, t0 + TOKEN_TILE)):
                     total = np.float32(0.0)
                     for i in range(x.shape[1]):

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numba
 import numpy as np
-from numba import njit, typed, types
+from numba import njit, prange, typed, types
 
 from lse_core.graph.ir import Step
 
-from . import kernels, quant
+from . import atomics, kernels, quant
 
 
 def _renew_cache_stamp() -> None:
@@ -46,7 +47,13 @@ EMBED, EMBED_Q, RMS_NORM, LINEAR, LINEAR_Q, ROPE, ATTENTION, FUSED, LAST_ROWS = 
 MAX_OUTPUTS, MAX_INPUTS, MAX_ARGS = 4, 6, 5
 OUT, IN, ARG = 1, 1 + MAX_OUTPUTS, 1 + MAX_OUTPUTS + MAX_INPUTS
 WIDTH = ARG + MAX_ARGS
-PARALLEL_ELEMENTS = 1 << 16  # below this an elementwise group's loop is cheaper than waking the other threads
+# Work items (besides the quantized linears', quant.ITEM_WORK): about 1-5 us of work each
+ROW_ITEM = 16               # token rows of a row-wise op (embedding, norm, rope, KV store)
+ELEMENT_ITEM = 1 << 14      # elements of an elementwise group
+F32_ITEM_WORK = 1 << 16     # multiply-adds of a float32 linear
+MAX_ITEMS = quant.MAX_ITEMS
+PHASES = 2                  # attention stores the step's keys and values, then attends
+LINE = 8                    # int64s in a cache line: each counter has one of its own
 
 FUSED_SIGNATURE = types.void(*[types.float32[::1]] * (MAX_OUTPUTS + MAX_INPUTS))
 _LIST_TYPES = {  # every typed list ``execute`` takes, by the kind of thing it holds (weights read-only: mmapped)
@@ -57,48 +64,156 @@ _LIST_TYPES = {  # every typed list ``execute`` takes, by the kind of thing it h
 }
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=True)
 def execute(code, floats, acts, flats, rows, mats, qmats, vecs, caches, fns,
-            tokens, positions, slots, query_starts, sample_rows):
-    """Run every instruction in order. ``rows`` holds each value's live row count (set for the inputs)."""
-    empty = np.empty(0, np.float32)
+            tokens, positions, slots, query_starts, sample_rows, counters, n_threads):
+    """Run every instruction in order on ``n_threads`` threads (numba's count: each gets one part).
+    ``rows`` holds each value's live row count (set for the inputs); ``counters`` has at least
+    ``counter_size(n_instructions, n_threads)`` int64s."""
+    row_slot = np.empty(tokens.shape[0], np.int64)  # each token row's KV cache slot
+    for i in range(slots.shape[0]):
+        row_slot[query_starts[i]:query_starts[i + 1]] = slots[i]
+    counts = np.empty(code.shape[0], np.int64)  # each instruction's rows, known before anything runs
     for k in range(code.shape[0]):
         c = code[k]
-        op, out = c[0], c[OUT]
-        n = rows[c[IN]] if c[IN] >= 0 else tokens.shape[0]
-        if op == EMBED:
-            kernels.embedding(mats[c[ARG]], tokens, floats[k, 0], acts[out][:n])
-        elif op == EMBED_Q:
-            quant.embed_rows(c[ARG + 1], qmats[c[ARG]], tokens, floats[k, 0], acts[out][:n])
-        elif op == RMS_NORM:
-            kernels.rms_norm(acts[c[IN]][:n], vecs[c[ARG]], c[ARG + 1], floats[k, 0], acts[out][:n])
-        elif op == LINEAR or op == LINEAR_Q:
-            y = acts[out][:n]
-            if op == LINEAR:
-                kernels.linear_f32(acts[c[IN]][:n], mats[c[ARG]], y)
-            else:
-                quant.linear(c[ARG + 1], qmats[c[ARG]], acts[c[IN]][:n], y)
-            if c[ARG + 2] >= 0:
-                y += vecs[c[ARG + 2]]
-        elif op == ROPE:
-            kernels.rope(acts[c[IN]][:n], positions, mats[c[ARG]], mats[c[ARG + 1]], c[ARG + 2], acts[out][:n])
-        elif op == ATTENTION:
-            kernels.attention(acts[c[IN]][:n], acts[c[IN + 1]][:n], acts[c[IN + 2]][:n], caches[c[ARG]],
-                              caches[c[ARG + 1]], positions, slots, query_starts, c[ARG + 2], floats[k, 0],
-                              c[ARG + 3], acts[out][:n])
-        elif op == FUSED:
-            size = n * acts[c[IN]].shape[1]
-            views = [flats[c[j]][:size] if c[j] >= 0 else empty for j in range(OUT, ARG)]
-            fn = fns[c[ARG + 1]] if size >= PARALLEL_ELEMENTS else fns[c[ARG]]
-            fn(views[0], views[1], views[2], views[3], views[4], views[5], views[6], views[7], views[8], views[9])
-        elif op == LAST_ROWS:
-            x, y = acts[c[IN]], acts[out]
-            n = sample_rows.shape[0]
-            for i in range(n):
-                y[i] = x[sample_rows[i]]
+        counts[k] = rows[c[IN]] if c[IN] >= 0 else tokens.shape[0]
         for j in range(OUT, IN):
             if c[j] >= 0:
-                rows[c[j]] = n
+                rows[c[j]] = sample_rows.shape[0] if c[0] == LAST_ROWS else counts[k]
+    counters[:counter_size(code.shape[0], n_threads)] = 0
+    # one parallel region for the whole program, its threads meeting at each instruction's end, instead
+    # of waking them for each parallel op (hundreds a step)
+    for thread in prange(n_threads):
+        _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tokens, positions, row_slot,
+              sample_rows, counters, n_threads, thread)
+
+
+@njit(cache=True, nogil=True)
+def counter_size(n_instructions: int, n_threads: int) -> int:
+    """int64s of counters for a program run: per instruction and phase, the items done and each thread's
+    items claimed, a cache line each."""
+    return n_instructions * PHASES * (n_threads + 1) * LINE
+
+
+@njit(cache=True, nogil=True)
+def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tokens, positions, row_slot,
+          sample_rows, counters, n_threads, thread):
+    """Thread ``thread``'s part. Each task (an instruction, or one of its phases) starts once the one
+    before it is done. A task of one item is thread 0's: the other threads go on to the next task of
+    several, so a chain of small ops costs them one wait, not one each. The items of a task of several
+    are split into one contiguous range per thread (a weight streams through one core's prefetches); a
+    thread claims its own range's items, then what is left of the others'. numba runs the n_threads
+    iterations of execute's prange on its n_threads threads at once (the join waits for all of them);
+    a thread that starts late finds its items claimed by the others."""
+    widest = 0
+    for a in acts:
+        widest = max(widest, a.shape[1])
+    sums = np.empty((2, widest // quant.BLOCK), np.float32)  # this thread's block sums for quantized linears
+    sums_for = -1  # the instruction they are for
+    before, before_items = -1, 0  # the task before: its done counter and item count
+    for k in range(code.shape[0]):
+        c, n = code[k], counts[k]
+        for phase in range(PHASES if c[0] == ATTENTION else 1):
+            n_items = _items(c, phase, n, acts, mats, qmats, caches, n_threads)
+            done = (k * PHASES + phase) * (n_threads + 1) * LINE
+            if n_items > 1 or thread == 0:
+                while before >= 0 and atomics.load(counters, before) < before_items:
+                    atomics.pause()
+                for j in range(n_threads if n_items > 1 else 1):
+                    owner = (thread + j) % n_threads
+                    first, end = _span(n_items, n_threads, owner) if n_items > 1 else (0, 1)
+                    item = first + atomics.fetch_add(counters, done + (owner + 1) * LINE, 1)
+                    while item < end:
+                        if c[0] == LINEAR_Q and sums_for != k:  # once per instruction, where the thread works on it
+                            quant.block_sums(c[ARG + 1], acts[c[IN]][:n], sums)
+                            sums_for = k
+                        _run(c, phase, item, n_items, n, floats[k, 0], acts, flats, mats, qmats, vecs, caches, fns,
+                             tokens, positions, row_slot, sample_rows, sums)
+                        atomics.fetch_add(counters, done, 1)  # after the item's writes: whoever sees it sees them
+                        item = first + atomics.fetch_add(counters, done + (owner + 1) * LINE, 1)
+            before, before_items = done, n_items
+
+
+@njit(cache=True, nogil=True)
+def _span(total, parts, i):
+    """Part i of ``parts`` near-equal parts of range(total), as (start, end)."""
+    return total * i // parts, total * (i + 1) // parts
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _items(c, phase, n, acts, mats, qmats, caches, n_threads):
+    """How many work items instruction ``c``'s phase splits into, for n rows (every thread computes the
+    same): where there are several, a multiple of the threads, so that equal threads get equal shares."""
+    op = c[0]
+    if op == LINEAR_Q:
+        items, most = quant.linear_items(qmats[c[ARG]], acts[c[IN]][:n]), quant.linear_items_most(qmats[c[ARG]])
+    elif op == LINEAR:
+        weight = mats[c[ARG]]
+        most = (weight.shape[0] + kernels.ROW_TILE - 1) // kernels.ROW_TILE
+        items = n * weight.size // F32_ITEM_WORK
+    elif op == ATTENTION and phase == 1:
+        most = n * caches[c[ARG]].shape[1]
+        items = most
+    elif op == FUSED:
+        most = n * acts[c[IN]].shape[1]
+        items = most // ELEMENT_ITEM
+    elif op == LAST_ROWS:
+        return 1
+    else:
+        most = n
+        items = (n + ROW_ITEM - 1) // ROW_ITEM
+    items = min(items, most, MAX_ITEMS)
+    if items <= 1:
+        return 1
+    return min(most, (items + n_threads - 1) // n_threads * n_threads)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, caches, fns, tokens, positions,
+         row_slot, sample_rows, sums):
+    """Work item ``item`` of ``n_items`` of instruction ``c``'s phase, on n rows."""
+    op, out = c[0], c[OUT]
+    t0, t1 = _span(n, n_items, item)  # the item's rows, for the row-wise ops
+    if op == EMBED:
+        kernels.embedding(mats[c[ARG]], tokens[t0:t1], scalar, acts[out][t0:t1])
+    elif op == EMBED_Q:
+        quant.embed_rows(c[ARG + 1], qmats[c[ARG]], tokens[t0:t1], scalar, acts[out][t0:t1])
+    elif op == RMS_NORM:
+        kernels.rms_norm(acts[c[IN]][t0:t1], vecs[c[ARG]], c[ARG + 1], scalar, acts[out][t0:t1])
+    elif op == ROPE:
+        kernels.rope(acts[c[IN]][t0:t1], positions[t0:t1], mats[c[ARG]], mats[c[ARG + 1]], c[ARG + 2],
+                     acts[out][t0:t1])
+    elif op == LINEAR or op == LINEAR_Q:
+        x, y = acts[c[IN]][:n], acts[out][:n]
+        if op == LINEAR:
+            tile = kernels.ROW_TILE
+            r0, r1 = _span((y.shape[1] + tile - 1) // tile, n_items, item)
+            r0, r1 = r0 * tile, min(y.shape[1], r1 * tile)
+            kernels.linear_f32(x, mats[c[ARG]], y, r0, r1)
+        else:
+            r0, r1 = quant.linear_item(c[ARG + 1], qmats[c[ARG]], x, y, item, n_items, sums)
+        if c[ARG + 2] >= 0:
+            bias = vecs[c[ARG + 2]]
+            for t in range(n):
+                for r in range(r0, r1):
+                    y[t, r] += bias[r]
+    elif op == ATTENTION and phase == 0:
+        kernels.store_kv(acts[c[IN + 1]], acts[c[IN + 2]], caches[c[ARG]], caches[c[ARG + 1]], positions,
+                         row_slot, t0, t1)
+    elif op == ATTENTION:
+        i0, i1 = _span(n * caches[c[ARG]].shape[1], n_items, item)
+        kernels.attention(acts[c[IN]][:n], caches[c[ARG]], caches[c[ARG + 1]], positions, row_slot, c[ARG + 2],
+                          scalar, c[ARG + 3], acts[out][:n], i0, i1)
+    elif op == FUSED:
+        s0, s1 = _span(n * acts[c[IN]].shape[1], n_items, item)
+        empty = np.empty(0, np.float32)
+        views = [flats[c[j]][s0:s1] if c[j] >= 0 else empty for j in range(OUT, ARG)]
+        fns[c[ARG]](views[0], views[1], views[2], views[3], views[4], views[5], views[6], views[7], views[8],
+                    views[9])
+    elif op == LAST_ROWS:
+        x, y = acts[c[IN]], acts[out]
+        for i in range(sample_rows.shape[0]):
+            y[i] = x[sample_rows[i]]
 
 
 @dataclass
@@ -159,6 +274,7 @@ class Program:
             self.floats[k, 0] = ins.scalar
         self.resources = lists  # as typed lists at the first call: a group's program is often only linked
         self.acts: list[np.ndarray] = []
+        self.counters = np.zeros(0, np.int64)
 
     def _allocate(self, inputs: Sequence[np.ndarray], rows: int) -> None:
         """Buffers of ``rows`` rows; widths follow from the inputs' through the code. A value's buffer
@@ -200,10 +316,12 @@ class Program:
             k = self.slot[name]
             self.acts[k][:x.shape[0]] = x
             self.rows[k] = x.shape[0]
-        lists = self.lists
+        lists, n_threads = self.lists, numba.get_num_threads()
+        if self.counters.size < counter_size(len(self.instructions), n_threads):
+            self.counters = np.zeros(counter_size(len(self.instructions), n_threads), np.int64)
         execute(self.code, self.floats, self.typed_acts, self.typed_flats, self.rows, lists["mats"],
                 lists["qmats"], lists["vecs"], lists["caches"], lists["fns"], step.tokens, step.positions,
-                step.slots, step.query_starts, step.sample_rows)
+                step.slots, step.query_starts, step.sample_rows, self.counters, n_threads)
         return [self.acts[self.slot[name]][:self.rows[self.slot[name]]] for name in self.outputs]
 
     def _check(self, step: Step) -> None:

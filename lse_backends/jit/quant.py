@@ -24,10 +24,11 @@ are decoded with integer vector ops, so the IR is generic, any LLVM target lower
 are the same bit for bit. numba's cache is keyed by the host CPU but not by LSE_JIT_PORTABLE: use a
 fresh NUMBA_CACHE_DIR when switching it.
 
-Drivers: ``linear`` runs every token tile over each range of row groups (the range's weights stay in
-cache while the tiles pass), on the calling thread for small work, else ranges in parallel; the tiles
-prefetch the weight stream ahead. Everything numba compiles lives in this one file because numba's
-cache is invalidated by the caller's source file only.
+Drivers: a product splits into work items, each a range of row groups that every token tile passes over
+(the range's weights stay in cache while the tiles pass); the tiles prefetch the weight stream ahead.
+``linear_item`` runs one item (programs hand items to their threads), ``linear`` all of them.
+Everything numba compiles lives in this one file because numba's cache is invalidated by the caller's
+source file only.
 """
 
 from __future__ import annotations
@@ -280,56 +281,105 @@ def _tile_tokens(left):
 
 
 @njit(cache=True, nogil=True)
-def _groups(kind, w, x, sums, out, g0, g1):
+def _groups(kind, w, x, out, g0, g1, sums):
     """Row groups g0 .. g1 - 1 against every token: token tiles outer, so the groups' weights stay in
-    cache while the tiles pass."""
-    t = 0
+    cache while the tiles pass. A one-token tile (the last one or two tokens) runs on that token's row
+    alone, with its block sums (``block_sums``)."""
+    t, single = 0, _single_rows(x.shape[0])
     while t < x.shape[0]:
         tokens = _tile_tokens(x.shape[0] - t)
-        step = 2 if tokens == 1 and kind != Q8_0 else 1  # groups per tile
-        for g in range(g0, g1, step):
-            _tile(kind, tokens, w, g, g1 - 1, x, sums, t, out)
+        if tokens == 1:
+            row, out_row, row_sums = x[t:t + 1], out[t:t + 1], sums[t - single:t - single + 1]
+            for g in range(g0, g1, 1 if kind == Q8_0 else 2):  # Q4 one-token tiles take two groups
+                _tile(kind, 1, w, g, g1 - 1, row, row_sums, 0, out_row)
+        else:
+            for g in range(g0, g1):
+                _tile(kind, tokens, w, g, g1 - 1, x, sums, t, out)
         t += tokens
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _single_rows(n_tokens):
+    """The first of the token rows that one-token tiles take (at most two: the rest go in wider tiles)."""
+    t = 0
+    while n_tokens - t > 2:
+        t += _tile_tokens(n_tokens - t)
+    return t
+
+
 @njit(cache=True, nogil=True, fastmath={"reassoc", "nsz"})
-def _block_sums(x, sums):
-    """sums[t, b] = sum of x[t] over block b (reassociated: LLVM vectorizes it)."""
-    for t in range(x.shape[0]):
-        for b in range(sums.shape[1]):
+def block_sums(kind: int, x: np.ndarray, sums: np.ndarray) -> None:
+    """sums[j, b] = the sum of block b of x's row single + j, for the rows one-token Q4 tiles take
+    (``linear_item`` reads them; sums is [2, x's width / 32] or larger). Reassociated: LLVM vectorizes it."""
+    if kind == Q8_0:
+        return
+    single = _single_rows(x.shape[0])
+    for t in range(single, x.shape[0]):
+        row = x[t]
+        for b in range(x.shape[1] // BLOCK):
             total = np.float32(0.0)
             for i in range(b * BLOCK, (b + 1) * BLOCK):
-                total += x[t, i]
-            sums[t, b] = total
+                total += row[i]
+            sums[t - single, b] = total
 
 
-# block-rows x tokens below which the calling thread alone beats waking the others (measured here: waking
-# costs about 1.2 us, a block-row about 2.4 ns)
-SERIAL_WORK = 2048
+# Work items: a product splits into items of about ITEM_WORK block-rows x tokens (~5 us here, where
+# claiming an item costs ~0.1 us and waking a thread ~1.2 us), at most MAX_ITEMS of them (enough to
+# balance two to eight threads), each a range of whole pairs of row groups.
+ITEM_WORK = 2048
+MAX_ITEMS = 64
+
+
+@njit(cache=True, nogil=True)
+def linear_items_most(blocks: np.ndarray) -> int:
+    """The most work items ``linear_item`` can split a product with this weight into: one per pair of row
+    groups."""
+    return max(1, (blocks.shape[0] // GROUP + 1) // 2)
+
+
+@njit(cache=True, nogil=True)
+def linear_items(blocks: np.ndarray, x: np.ndarray) -> int:
+    """How many work items ``linear`` splits x @ W.T into."""
+    work = x.shape[0] * blocks.shape[0] * (x.shape[1] // BLOCK)
+    return max(1, min(linear_items_most(blocks), MAX_ITEMS, work // ITEM_WORK))
+
+
+@njit(cache=True, nogil=True)
+def linear_item(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, item: int, n_items: int,
+                sums: np.ndarray) -> tuple[int, int]:
+    """Work item ``item`` of ``n_items`` of out = x @ W.T: its range of row groups, and in the last item
+    the rows % 8 kept as GGUF stored them (dequantized and dotted one by one). Returns the rows written.
+    ``sums``: what ``block_sums`` wrote for x."""
+    n_rows = blocks.shape[0]
+    full_groups = n_rows // GROUP
+    pairs = (full_groups + 1) // 2
+    g0, g1 = 2 * (pairs * item // n_items), min(full_groups, 2 * (pairs * (item + 1) // n_items))
+    _groups(kind, blocks, x, out, g0, g1, sums)
+    if item < n_items - 1 or n_rows % GROUP == 0:
+        return g0 * GROUP, g1 * GROUP
+    weights = np.empty(x.shape[1], np.float32)
+    for row in range(full_groups * GROUP, n_rows):
+        _dequantize_row(kind, blocks, row, weights)
+        _dot_rows(x, weights, out[:, row])
+    return g0 * GROUP, n_rows
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def linear(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[T, rows] = x[T, n] @ W.T for W laid out by ``prepare`` (kind, blocks); x and out float32,
-    C-contiguous, out not aliasing x."""
-    n_rows, n_blocks = blocks.shape[0], x.shape[1] // BLOCK
-    if blocks.shape[1] != n_blocks * LAYOUT[kind][0] or x.shape[1] % BLOCK or out.shape != (x.shape[0], n_rows):
+    C-contiguous, out not aliasing x. Its work items run in parallel (programs run them on their own
+    threads instead, program.py)."""
+    if (blocks.shape[1] != x.shape[1] // BLOCK * LAYOUT[kind][0] or x.shape[1] % BLOCK
+            or out.shape != (x.shape[0], blocks.shape[0])):
         raise ValueError("linear: weight, activation and output shapes disagree")
-    sums = np.empty((x.shape[0], n_blocks), np.float32)
-    if kind != Q8_0:
-        _block_sums(x, sums)
-    full_groups = n_rows // GROUP
-    if x.shape[0] * n_rows * n_blocks < SERIAL_WORK:
-        _groups(kind, blocks, x, sums, out, np.int64(0), full_groups)
-    else:  # about 16 items, of an even number of groups (one-token Q4 tiles take two)
-        item = max(2, (full_groups + 31) // 32 * 2)
-        for i in prange((full_groups + item - 1) // item):
-            _groups(kind, blocks, x, sums, out, i * item, min(full_groups, (i + 1) * item))
-    if n_rows % GROUP:  # the last rows % 8 rows, kept as GGUF stored them: dequantized and dotted one by one
-        weights = np.empty(x.shape[1], np.float32)
-        for row in range(full_groups * GROUP, n_rows):
-            _dequantize_row(kind, blocks, row, weights)
-            _dot_rows(x, weights, out[:, row])
+    n_items = linear_items(blocks, x)
+    sums = np.empty((2, x.shape[1] // BLOCK), np.float32)
+    block_sums(kind, x, sums)
+    if n_items == 1:  # the calling thread alone beats waking the others
+        linear_item(kind, blocks, x, out, 0, 1, sums)
+    else:
+        for item in prange(n_items):
+            linear_item(kind, blocks, x, out, item, n_items, sums)
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "nsz"})
