@@ -95,8 +95,8 @@ def lse_open_or_raise(config: LSEConfig | dict[str, Any] | None = None) -> LSE:
     interpreter = None if refused else open_interpreter(registry)
     ctx = CompileContext(kv_slots=config.parallel, kv_len=context_length,
                          max_tokens=max(config.prefill_chunk, config.parallel))
-    plan = Plan.build(graph, devices, ctx, interpreter, not refused, fallback.record)
-    model.release_file_pages()  # the devices hold the weights as they lay them out
+    # the devices hold the weights as they lay them out: the file's pages go as each group compiles
+    plan = Plan.build(graph, devices, ctx, interpreter, not refused, fallback.record, model.release_file_pages)
     _log_plan(plan)
     engine = Engine(plan, model.tokenizer, config.parallel, config.max_queue, config.prefill_chunk)
     return LSE(config, model, _model_id(model), template, thinking, defaults, context_length, registry,

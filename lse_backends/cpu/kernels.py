@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from lse_core.devices.hookspec import CompileContext
+from lse_core.devices.host_memory import sparse_zeros
 from lse_core.graph.ir import Node, Step, rope_cos_sin
 
 NodeKernel = Callable[[Sequence[np.ndarray], Step], np.ndarray]
@@ -198,9 +199,9 @@ def attention(node: Node, params: list[np.ndarray], ctx: CompileContext) -> Node
     group = n_heads // n_kv
     scale, window = np.float32(node.attrs["scale"]), int(node.attrs.get("window") or 0)
     # [slot, kv head, position, head_dim]: a kv head's keys are one contiguous [positions, head_dim]
-    # block, which BLAS reads as it is. np.zeros: the OS commits pages only when first written.
-    k_cache = np.zeros((ctx.kv_slots, n_kv, ctx.kv_len, head_dim), np.float32)
-    v_cache = np.zeros(k_cache.shape, np.float32)  # not zeros_like: that writes every page at once
+    # block, which BLAS reads as it is; the OS commits pages as they are first written.
+    k_cache = sparse_zeros((ctx.kv_slots, n_kv, ctx.kv_len, head_dim))
+    v_cache = sparse_zeros(k_cache.shape)
     buffer = OutputBuffer(ctx.max_tokens)
 
     def run(inputs: Sequence[np.ndarray], step: Step) -> np.ndarray:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from lse_core.devices.hookspec import Backend, CompileContext, Device, DeviceInfo, Kernel, hookimpl
+from lse_core.devices.host_memory import sparse_zeros
 from lse_core.graph.fuse import FusedGroup
 from lse_core.graph.ir import SAMPLING_OP_NEEDED, Node, Step, rope_cos_sin
 
@@ -118,9 +119,9 @@ def _rope(device: JitDevice, node: Node, params: list[Any], ctx: CompileContext)
 
 def _attention(device: JitDevice, node: Node, params: list[Any], ctx: CompileContext) -> Instruction:
     n_heads, n_kv, head_dim = (int(node.attrs[k]) for k in ("n_heads", "n_kv_heads", "head_dim"))
-    # np.zeros: the OS commits pages only when a slot's positions are first written
-    k_cache = np.zeros((ctx.kv_slots, n_kv, ctx.kv_len, head_dim), np.float32)  # head-major
-    v_cache = np.zeros(k_cache.shape, np.float32)  # not zeros_like: it writes the zeros, committing every page
+    # head-major; the OS commits a slot's pages as its positions are first written
+    k_cache = sparse_zeros((ctx.kv_slots, n_kv, ctx.kv_len, head_dim))
+    v_cache = sparse_zeros(k_cache.shape)
     window = int(node.attrs.get("window") or 0)
     return Instruction(ATTENTION, (node.output,), node.inputs, (k_cache, v_cache, n_heads, window),
                        float(node.attrs["scale"]), width=n_heads * head_dim, uses_cache=True)

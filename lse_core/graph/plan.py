@@ -69,10 +69,15 @@ class Plan:
         fallback_device: Device | None = None,
         allow_fallback: bool = True,
         on_fallback: Callable[[str], None] = lambda cause: None,
+        after_group: Callable[[], None] = lambda: None,
     ) -> Plan:
-        groups = fuse(graph)
-        placements = [_place(g, _preference(g, pool, graph.n_layers), graph, ctx, fallback_device, allow_fallback)
-                      for g in groups]
+        """Place and compile every fused group of ``graph``; ``after_group`` runs after each (the engine
+        lets the weight file's pages go there, so the file and the devices' copies never all coexist)."""
+        placements = []
+        for group in fuse(graph):
+            placements.append(_place(group, _preference(group, pool, graph.n_layers), graph, ctx, fallback_device,
+                                     allow_fallback))
+            after_group()
         return cls(placements, graph.output, on_fallback)
 
     def run(self, step: Step, want_logits: bool = False) -> StepOutput:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from lse_core.devices.hookspec import CompileContext, Device, DeviceInfo, Kernel
+from lse_core.devices.host_memory import sparse_zeros
 from lse_core.graph.fuse import FusedGroup
 from lse_core.graph.ir import Node, Step, rope_inv_freq
 
@@ -99,8 +100,8 @@ def attention(node: Node, params: list[np.ndarray], ctx: CompileContext) -> Body
     n_heads, n_kv, head_dim = node.attrs["n_heads"], node.attrs["n_kv_heads"], node.attrs["head_dim"]
     scale, window = np.float32(node.attrs["scale"]), int(node.attrs.get("window") or 0)
     # this layer's KV cache, in device memory for as long as the kernel lives
-    k_cache = np.zeros((ctx.kv_slots, ctx.kv_len, n_kv, head_dim), np.float32)
-    v_cache = np.zeros(k_cache.shape, np.float32)  # not zeros_like: it writes the zeros, committing every page
+    k_cache = sparse_zeros((ctx.kv_slots, ctx.kv_len, n_kv, head_dim))
+    v_cache = sparse_zeros(k_cache.shape)
 
     def run(inputs: Sequence[np.ndarray], step: Step) -> list[np.ndarray]:
         q, k, v = inputs

@@ -1,0 +1,23 @@
+"""Host memory for buffers that fill in slowly, like KV caches: sized for every slot and position, but
+resident only where written."""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import numpy as np
+
+
+def sparse_zeros(shape: tuple[int, ...], dtype: np.dtype | type = np.float32) -> np.ndarray:
+    """A zeroed array whose pages the OS commits one 4 KiB page at a time, as they are first written.
+    np.zeros commits lazily too, but numpy asks for transparent huge pages on arrays of 4 MiB and more,
+    so one written position commits 2 MiB: sixteen KV slots of a few tokens each would commit most of
+    the cache. An anonymous mapping advised MADV_NOHUGEPAGE commits what is written."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if nbytes == 0:
+        return np.zeros(shape, dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux
+        pages.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(pages, dtype).reshape(shape)  # the array keeps the mapping alive
