@@ -256,6 +256,30 @@ def test_generated_group_matches_the_interpreter_node_by_node(jit, name, tmp_pat
     assert codegen.compile_elementwise(group) is codegen.compile_elementwise(group)  # compiled once
 
 
+def test_expf_is_numpys_exp_within_3_ulp_and_keeps_the_edges():
+    """kernels.expf (silu's and attention's exp, in arithmetic that vectorizes) over the float32 range."""
+    from lse_backends.jit.kernels import EXP_HIGH, EXP_LOW, expf
+
+    @numba.njit
+    def apply(x, out):
+        for i in range(x.shape[0]):
+            out[i] = expf(x[i])
+
+    x = np.concatenate([np.linspace(-90, 90, 400_001, dtype=np.float32), RNG.standard_normal(10_000).astype(np.float32),
+                        np.array([0.0, -0.0, EXP_HIGH, EXP_LOW, np.nextafter(EXP_HIGH, np.float32(0))], np.float32)])
+    out = np.empty_like(x)
+    apply(x, out)
+    with np.errstate(over="ignore"):
+        reference = np.exp(x)
+    normal = (x >= EXP_LOW) & (x <= EXP_HIGH) & np.isfinite(reference)
+    ulps = np.abs(out[normal].astype(np.float64) - reference[normal]) / np.spacing(reference[normal])
+    assert ulps.max() <= 3
+    assert (out[x > EXP_HIGH] == np.inf).all() and (out[x < EXP_LOW] == 0).all()
+    edges = np.array([np.inf, -np.inf, np.nan, 100.0, -100.0], np.float32)
+    apply(edges, out[:5])
+    np.testing.assert_array_equal(out[:5], [np.inf, 0.0, np.nan, np.inf, 0.0])
+
+
 def test_generated_source_names_its_nodes_in_order():
     group = fuse(ir.Graph(GROUPS["gelu, scale, add"], {}, output="c"))[0]
     source = codegen.elementwise_source(group)

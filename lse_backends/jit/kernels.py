@@ -9,10 +9,48 @@ they vectorize.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import intrinsic
 
 # reassociation lets LLVM vectorize dot products; no nnan/ninf, so infinities and NaNs stay IEEE
 _ATTENTION_MATH = {"reassoc", "contract", "nsz", "arcp"}
+
+
+@intrinsic
+def _float_from_bits(typingctx, bits):
+    """The float32 whose bit pattern is the int32 ``bits``."""
+    if bits != types.int32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.float32))
+
+    return types.float32(types.int32), codegen
+
+
+EXP_HIGH, EXP_LOW = np.float32(88.7228391), np.float32(-87.3365448)  # exp overflows above, is subnormal below
+
+
+@njit(cache=True, inline="always")
+def expf(x):
+    """exp of a float32 in plain arithmetic and selects, so loops that call it vectorize (np.exp is a libm
+    call per element): Cephes' expf, x = n ln 2 + r with |r| <= ln 2 / 2, a degree-6 polynomial in r,
+    times 2^n built in the exponent bits. Within 3 ulp of numpy's exp; 0 below EXP_LOW (numpy gives
+    subnormals there), inf above EXP_HIGH, NaN for NaN."""
+    clamped = max(min(x, EXP_HIGH), EXP_LOW)  # NaN stays NaN
+    n = np.floor(clamped * np.float32(1.44269504) + np.float32(0.5))  # -126 .. 128
+    r = clamped - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    top = n > np.float32(127.0)  # 2^128 is no float32: 2^127 * 2
+    y = p * _float_from_bits(np.int32((np.int32(n) - np.int32(top) + np.int32(127)) << np.int32(23)))
+    y = y * (np.float32(1.0) + np.float32(top)) * np.float32(x >= EXP_LOW)  # NaN * 0 stays NaN
+    return np.float32(np.inf) if x > EXP_HIGH else y
 
 
 @njit(cache=True)
@@ -103,7 +141,7 @@ def _attend(q, keys, values, first, end, t, g, group, scale, out):
         top = scores[hh].max()
         total = np.float32(0.0)
         for j in range(n):
-            e = np.exp(scores[hh, j] - top)
+            e = expf(scores[hh, j] - top)
             scores[hh, j] = e
             total += e
         scores[hh] /= total

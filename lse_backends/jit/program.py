@@ -49,7 +49,7 @@ OUT, IN, ARG = 1, 1 + MAX_OUTPUTS, 1 + MAX_OUTPUTS + MAX_INPUTS
 WIDTH = ARG + MAX_ARGS
 # Work items (besides the quantized linears', quant.ITEM_WORK): about 1-5 us of work each
 ROW_ITEM = 16               # token rows of a row-wise op (embedding, norm, rope, KV store)
-ELEMENT_ITEM = 1 << 14      # elements of an elementwise group
+ELEMENT_ITEM = 1 << 13      # elements of an elementwise group
 F32_ITEM_WORK = 1 << 16     # multiply-adds of a float32 linear
 MAX_ITEMS = quant.MAX_ITEMS
 PHASES = 2                  # attention stores the step's keys and values, then attends
