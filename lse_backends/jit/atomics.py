@@ -1,5 +1,6 @@
-"""Atomic counters for the threads of one program run (program.py): numba has no atomics of its own, so
-these are LLVM ``atomicrmw`` and atomic loads on an int64 array's elements, emitted through ``@intrinsic``."""
+"""Atomic counters and spin-waiting for the threads of one program run (program.py): numba has no atomics
+of its own, so these are LLVM ``atomicrmw`` and atomic loads on an int64 array's elements, emitted through
+``@intrinsic``."""
 
 from __future__ import annotations
 
@@ -58,6 +59,19 @@ def pause(typingctx):
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
                                                 "llvm.x86.sse2.pause")
             builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic
+def yield_core(typingctx):
+    """Give the core to another runnable thread (POSIX ``sched_yield``, linked by name, so cached code
+    stays valid): a thread that has waited long is likely waiting for one the OS has descheduled."""
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
+        builder.call(fn, [])
         return context.get_dummy_value()
 
     return types.void(), codegen

@@ -54,6 +54,7 @@ F32_ITEM_WORK = 1 << 16     # multiply-adds of a float32 linear
 MAX_ITEMS = quant.MAX_ITEMS
 PHASES = 2                  # attention stores the step's keys and values, then attends
 LINE = 8                    # int64s in a cache line: each counter has one of its own
+SPINS = 20000               # pauses (~0.1 ms here) before a waiting thread starts yielding its core
 
 FUSED_SIGNATURE = types.void(*[types.float32[::1]] * (MAX_OUTPUTS + MAX_INPUTS))
 _LIST_TYPES = {  # every typed list ``execute`` takes, by the kind of thing it holds (weights read-only: mmapped)
@@ -117,8 +118,8 @@ def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tok
             n_items = _items(c, phase, n, acts, mats, qmats, caches, n_threads)
             done = (k * PHASES + phase) * (n_threads + 1) * LINE
             if n_items > 1 or thread == 0:
-                while before >= 0 and atomics.load(counters, before) < before_items:
-                    atomics.pause()
+                if before >= 0:
+                    _wait(counters, before, before_items)
                 for j in range(n_threads if n_items > 1 else 1):
                     owner = (thread + j) % n_threads
                     first, end = _span(n_items, n_threads, owner) if n_items > 1 else (0, 1)
@@ -132,6 +133,19 @@ def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tok
                         atomics.fetch_add(counters, done, 1)  # after the item's writes: whoever sees it sees them
                         item = first + atomics.fetch_add(counters, done + (owner + 1) * LINE, 1)
             before, before_items = done, n_items
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _wait(counters, at, value):
+    """Spin until counters[at] reaches value; past SPINS spins, yield the core at each one (on a busy
+    machine the thread waited for may be descheduled, and spinning would keep it so)."""
+    spins = 0
+    while atomics.load(counters, at) < value:
+        if spins < SPINS:
+            atomics.pause()
+            spins += 1
+        else:
+            atomics.yield_core()
 
 
 @njit(cache=True, nogil=True)
