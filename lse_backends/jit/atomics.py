@@ -65,13 +65,14 @@ def pause(typingctx):
 
 
 @intrinsic
-def yield_core(typingctx):
-    """Give the core to another runnable thread (POSIX ``sched_yield``, linked by name, so cached code
-    stays valid): a thread that has waited long is likely waiting for one the OS has descheduled."""
+def nap(typingctx, microseconds):
+    """Sleep (POSIX ``usleep``, linked by name, so cached code stays valid), giving the core to whatever
+    else is runnable: a thread that has waited long may be waiting for one the OS has descheduled."""
 
     def codegen(context, builder, signature, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
-        builder.call(fn, [])
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), [ir.IntType(32)]),
+                                            "usleep")
+        builder.call(fn, [context.cast(builder, args[0], signature.args[0], types.int32)])
         return context.get_dummy_value()
 
-    return types.void(), codegen
+    return types.void(microseconds), codegen

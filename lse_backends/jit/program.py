@@ -54,7 +54,8 @@ F32_ITEM_WORK = 1 << 16     # multiply-adds of a float32 linear
 MAX_ITEMS = quant.MAX_ITEMS
 PHASES = 2                  # attention stores the step's keys and values, then attends
 LINE = 8                    # int64s in a cache line: each counter has one of its own
-SPINS = 20000               # pauses (~0.1 ms here) before a waiting thread starts yielding its core
+SPINS = 4000                # pauses (~20 us here) before a waiting thread naps (on a busy machine the
+NAP_US = 20                 # thread it waits for may be descheduled, and spinning would keep it so)
 
 FUSED_SIGNATURE = types.void(*[types.float32[::1]] * (MAX_OUTPUTS + MAX_INPUTS))
 _LIST_TYPES = {  # every typed list ``execute`` takes, by the kind of thing it holds (weights read-only: mmapped)
@@ -137,15 +138,15 @@ def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tok
 
 @njit(cache=True, nogil=True, inline="always")
 def _wait(counters, at, value):
-    """Spin until counters[at] reaches value; past SPINS spins, yield the core at each one (on a busy
-    machine the thread waited for may be descheduled, and spinning would keep it so)."""
+    """Spin until counters[at] reaches value; past SPINS spins, nap between looks. A napping thread holds
+    no claimed item, so it delays nobody: should it wake late, the others will have taken its items."""
     spins = 0
     while atomics.load(counters, at) < value:
         if spins < SPINS:
             atomics.pause()
             spins += 1
         else:
-            atomics.yield_core()
+            atomics.nap(NAP_US)
 
 
 @njit(cache=True, nogil=True)
