@@ -66,7 +66,13 @@ _LIST_TYPES = {  # every typed list ``execute`` takes, by the kind of thing it h
 }
 
 
-@njit(cache=True, nogil=True, parallel=True)
+# only the thread loop becomes parallel code: numba's other parallel rewrites (array expressions, slices)
+# would each compile another parallel kernel here and speed up nothing
+_THREADS_ONLY = {"prange": True, "comprehension": False, "reduction": False, "inplace_binop": False,
+                 "setitem": False, "numpy": False, "stencil": False, "fusion": False}
+
+
+@njit(cache=True, nogil=True, parallel=_THREADS_ONLY)
 def execute(code, floats, acts, flats, rows, mats, qmats, vecs, caches, fns,
             tokens, positions, slots, query_starts, sample_rows, counters, n_threads):
     """Run every instruction in order on ``n_threads`` threads (numba's count: each gets one part).
@@ -85,9 +91,9 @@ def execute(code, floats, acts, flats, rows, mats, qmats, vecs, caches, fns,
     counters[:counter_size(code.shape[0], n_threads)] = 0
     # one parallel region for the whole program, its threads meeting at each instruction's end, instead
     # of waking them for each parallel op (hundreds a step)
-    for thread in prange(n_threads):
+    for thread in prange(n_threads):  # np.int64: numba types the index unsigned when it lowers the loop,
         _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tokens, positions, row_slot,
-              sample_rows, counters, n_threads, thread)
+              sample_rows, counters, n_threads, np.int64(thread))  # which would compile _work twice
 
 
 @njit(cache=True, nogil=True)
@@ -155,7 +161,7 @@ def _span(total, parts, i):
     return total * i // parts, total * (i + 1) // parts
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _items(c, phase, n, acts, mats, qmats, caches, n_threads):
     """How many work items instruction ``c``'s phase splits into, for n rows (every thread computes the
     same): where there are several, a multiple of the threads, so that equal threads get equal shares."""
@@ -183,7 +189,7 @@ def _items(c, phase, n, acts, mats, qmats, caches, n_threads):
     return min(most, (items + n_threads - 1) // n_threads * n_threads)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, caches, fns, tokens, positions,
          row_slot, sample_rows, sums):
     """Work item ``item`` of ``n_items`` of instruction ``c``'s phase, on n rows."""
