@@ -1,14 +1,16 @@
 """LSE side by side with llama.cpp (llama-cpp-python) and Hugging Face transformers, on one GGUF, in one run.
 
     python benchmarks/compare.py [-m model.gguf] [--engines lse,lse-cpu0,llama.cpp,transformers]
-                                 [--threads 2] [--json out.json]
+                                 [--threads 2] [--rounds 3] [--json out.json]
 
 Every engine runs in a subprocess of its own (benchmarks/_engines.py), so each peak RSS is that engine's
 alone, and gets the same token ids: a prefill prompt of --prefill-tokens tokens and short openings for
 decode, all greedy, raw completions (no chat template). Figures per engine: prefill tok/s, time to first
 token on the prefill prompt, aggregate decode tok/s at each --concurrency, peak RSS, and the decode@1
 share of the memory-bandwidth ceiling (measured numpy-copy bandwidth / weight bytes read per token). The
-report is a Markdown table, LSE's ratio to every other engine, and with --json the whole record.
+report is a Markdown table, LSE's ratio to every other engine, and with --json the whole record. With
+--rounds N the engines take turns N times: on a shared machine whose speed drifts by tens of percent from
+minute to minute, the median of N same-round ratios says more than one ratio of runs minutes apart.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -137,6 +140,25 @@ def run_engine(name: str, spec_path: str, env: dict[str, str], timeout: float, w
     return result
 
 
+def merge_rounds(rounds: list[dict[str, Any]], concurrency: list[int]) -> dict[str, Any]:
+    """One engine's rounds as one result: the first round's record with each figure the median over the
+    rounds (peak RSS: the highest), and every round's figures kept under "rounds"."""
+    failed = next((r for r in rounds if "skipped" in r or "error" in r), None)
+    if failed is not None:
+        return failed
+    merged = json.loads(json.dumps(rounds[0]))
+    merged["load_s"] = statistics.median(r["load_s"] for r in rounds)
+    for key in ("prefill_tps", "ttft_s"):
+        if key in merged:
+            merged[key] = statistics.median(r[key] for r in rounds)
+    for n, decode in merged.get("decode", {}).items():
+        decode["tps"] = statistics.median(r["decode"][n]["tps"] for r in rounds)
+    if "memory_mib" in merged:
+        merged["memory_mib"]["hwm"] = max(r["memory_mib"]["hwm"] for r in rounds)
+    merged["rounds"] = [figures(r, concurrency) for r in rounds]
+    return merged
+
+
 def add_derived(results: dict[str, dict[str, Any]], tokenizer: Any, ceiling_tps: float) -> None:
     """Bandwidth share and agreement of each engine's greedy output with LSE's."""
     reference = results.get("lse", {}).get("single_stream", {}).get("text")
@@ -205,14 +227,19 @@ def markdown(report: dict[str, Any]) -> str:
     if "load_s" in lse:
         lines += ["", "LSE's ratio to each engine (LSE ÷ engine; for TTFT and RSS lower is better):", "",
                   "| LSE ÷ | " + " | ".join(h for _, h, _ in columns) + " |", "|---" * (len(columns) + 1) + "|"]
-        mine = figures(lse, concurrency)
         for name, result in report["engines"].items():
             if name == "lse" or "load_s" not in result:
                 continue
-            theirs = figures(result, concurrency)
-            ratios = [mine[k] / theirs[k] if mine[k] and theirs[k] else None for k, _, _ in columns]
+            ratios = [_ratio(lse["rounds"], result["rounds"], k) for k, _, _ in columns]
             lines.append(f"| {_label(name, pool)} | " + " | ".join(_cell(r, 2) for r in ratios) + " |")
     return "\n".join(lines)
+
+
+def _ratio(mine: list[dict[str, float | None]], theirs: list[dict[str, float | None]], key: str) -> float | None:
+    """The median over rounds of LSE's figure over the engine's in the same round (engines alternate, so
+    a round's ratio compares runs minutes apart, not a quiet spell against a busy one)."""
+    ratios = [a[key] / b[key] for a, b in zip(mine, theirs) if a[key] and b[key]]
+    return statistics.median(ratios) if ratios else None
 
 
 def notes(report: dict[str, Any]) -> str:
@@ -231,6 +258,8 @@ def notes(report: dict[str, Any]) -> str:
              + ", ".join(f"{k}={v}" for k, v in report["environment"].items()),
              f"Machine: {m['cpu']}, {m['cores']} cores, load average {m['load_average']} at the start "
              "(figures are noisy while other work shares the cores).",
+             f"Rounds: {s['rounds']}, the engines taking turns in each; a figure is the median of its rounds "
+             "(peak RSS the highest), a ratio the median of the rounds' ratios.",
              "llama.cpp runs one sequence: llama-cpp-python's Llama decodes a single sequence, so its @4/@16 "
              "are n/a. transformers batches with one generate() over left-padded prompts."]
     for name, result in report["engines"].items():
@@ -261,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens-batch", type=int, default=64, help="new tokens per sequence when concurrent")
     p.add_argument("--concurrency", default="1,4,16", help="concurrent sequences for decode (at most 16)")
     p.add_argument("--timeout", type=float, default=300, help="seconds each engine may take")
+    p.add_argument("--rounds", type=int, default=1, help="run every engine this many times, taking turns")
     p.add_argument("--json", help="write the whole record here")
     args = p.parse_args(argv)
     engines = args.engines.split(",")
@@ -291,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"threads": args.threads, "concurrency": concurrency, "prefill_tokens": args.prefill_tokens,
                      "decode_prompt_tokens": sorted({len(ids) for ids in prompts["decode_prompts"]}),
                      "max_tokens_single": args.max_tokens_single, "max_tokens_batch": args.max_tokens_batch,
-                     "kv_len": spec["kv_len"], "pool": args.pool},
+                     "kv_len": spec["kv_len"], "pool": args.pool, "rounds": args.rounds},
         "engines": {},
     }
     if "OPENBLAS_CORETYPE" not in report["environment"]:
@@ -300,11 +330,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="lse-compare-") as workdir:
         spec_path = os.path.join(workdir, "spec.json")
         Path(spec_path).write_text(json.dumps(spec))
-        for name in engines:
-            print(f"running {_label(name, args.pool)}...", file=sys.stderr, flush=True)
-            report["engines"][name] = result = run_engine(name, spec_path, env, args.timeout, workdir)
-            outcome = result.get("skipped") or result.get("error") or f"done in {result['wall_s']:.0f} s"
-            print(f"  {outcome}", file=sys.stderr, flush=True)
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
+        for turn in range(args.rounds):
+            for name in engines:
+                print(f"running {_label(name, args.pool)} (round {turn + 1} of {args.rounds})...", file=sys.stderr,
+                      flush=True)
+                rounds[name].append(result := run_engine(name, spec_path, env, args.timeout, workdir))
+                outcome = result.get("skipped") or result.get("error") or f"done in {result['wall_s']:.0f} s"
+                print(f"  {outcome}", file=sys.stderr, flush=True)
+        report["engines"] = {name: merge_rounds(results, concurrency) for name, results in rounds.items()}
     add_derived(report["engines"], tokenizer, report["machine"]["ceiling_tps"])
     print(markdown(report))
     print(notes(report))
