@@ -16,17 +16,17 @@ from lse_core.model.arch import build_graph
 from lse_core.model.gguf import load_gguf
 
 
-def resident_kib(where: int | str) -> int:
-    """Resident KiB of the mappings holding address ``where``, or mapping the file at path ``where``."""
-    total, inside = 0, False
+def resident_kib(address: int) -> int:
+    """Resident KiB of the mapping that holds ``address``."""
+    inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         fields = line.split()
         if "-" in fields[0] and not fields[0].endswith(":"):
             start, end = (int(a, 16) for a in fields[0].split("-"))
-            inside = start <= where < end if isinstance(where, int) else fields[-1] == where
+            inside = start <= address < end
         elif inside and fields[0] == "Rss:":
-            total += int(fields[1])
-    return total
+            return int(fields[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def test_a_sparse_cache_commits_only_the_pages_written():
@@ -50,11 +50,12 @@ def test_the_weight_files_pages_go_as_the_plan_compiles():
     path = str(Path(directory) / "SmolLM2-135M-Instruct.Q4_1.gguf")
     model = load_gguf(path)
     file_kib = Path(path).stat().st_size // 1024
+    mapping = np.frombuffer(model.mapping, np.uint8).__array_interface__["data"][0]  # this model's, not others'
     seen = []
 
     def release() -> None:
         model.release_file_pages()
-        seen.append(resident_kib(path))
+        seen.append(resident_kib(mapping))
 
     plan = Plan.build(build_graph(model), [JitDevice()], CompileContext(1, 64, 16), None, False, after_group=release)
     assert len(seen) == len(plan.placements) > 400
