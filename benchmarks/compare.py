@@ -16,6 +16,7 @@ minute to minute, the median of N same-round ratios says more than one ratio of 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -146,7 +147,7 @@ def merge_rounds(rounds: list[dict[str, Any]], concurrency: list[int]) -> dict[s
     failed = next((r for r in rounds if "skipped" in r or "error" in r), None)
     if failed is not None:
         return failed
-    merged = json.loads(json.dumps(rounds[0]))
+    merged = copy.deepcopy(rounds[0])
     merged["load_s"] = statistics.median(r["load_s"] for r in rounds)
     for key in ("prefill_tps", "ttft_s"):
         if key in merged:
