@@ -4,6 +4,7 @@ through the planner against the interpreter."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ from checkpoints import greedy_sampling, make_step, prompt_ids
 from gguf import GGMLQuantizationType, quants
 
 from lse_backends.cpu import CPUDevice
-from lse_backends.jit import JitDevice, codegen, lse_backend, program
+from lse_backends.jit import JitDevice, cache, codegen, lse_backend, program
 from lse_core.devices.hookspec import CompileContext
 from lse_core.graph import ir
 from lse_core.graph.fuse import fuse
@@ -392,3 +393,34 @@ def test_default_model_answers_like_the_interpreter(jit):
         finally:
             numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     np.testing.assert_array_equal(logits[1], logits[numba.config.NUMBA_NUM_THREADS])
+
+
+def test_cached_code_is_recompiled_when_any_source_of_the_package_changes(tmp_path, monkeypatch):
+    """numba keys a cache by the function's own file, but callers hold their callees' code: a cached
+    function of the package (or a generated one) must miss once any file of the package changes."""
+    package, generated = tmp_path / "package", tmp_path / "generated"
+    package.mkdir()
+    generated.mkdir()
+    for source in Path(cache.__file__).parent.glob("*.py"):
+        (package / source.name).write_text(source.read_text())
+    monkeypatch.setattr(cache, "PACKAGE", package)
+    monkeypatch.setenv("LSE_JIT_CACHE", str(generated))
+    module_file = generated / "calls_a_kernel.py"
+    module_file.write_text("from numba import njit\n\n\n@njit(cache=True)\ndef f(x):\n    return x + 1\n")
+
+    def fresh_dispatcher():  # a new process's view: nothing compiled in memory, the disk cache consulted
+        spec = importlib.util.spec_from_file_location(f"calls_a_kernel_{len(loaded)}", module_file)
+        loaded.append(importlib.util.module_from_spec(spec))
+        spec.loader.exec_module(loaded[-1])
+        assert loaded[-1].f(np.int64(1)) == 2
+        assert isinstance(loaded[-1].f._cache._impl.locator, cache.PackageLocator)
+        return loaded[-1].f.stats
+
+    loaded: list = []
+    assert fresh_dispatcher().cache_misses  # compiled, and saved
+    assert fresh_dispatcher().cache_hits    # nothing changed: loaded from disk
+    kernels_file = package / "kernels.py"
+    kernels_file.write_text(kernels_file.read_text() + "\n# a changed kernel\n")
+    assert fresh_dispatcher().cache_misses  # a file it never names changed: compiled again
+    assert fresh_dispatcher().cache_hits
+    assert isinstance(program.execute._cache._impl.locator, cache.PackageLocator)

@@ -21,6 +21,9 @@ except ImportError as e:  # the backend declines; lse_core reports the reason
     numba = None
     _MISSING = f"numba is not installed ({e})"
 else:
+    from . import cache
+
+    cache.install()  # before any function of the package is cached: keyed by all of its sources
     from . import codegen, program, quant
     from .program import ATTENTION, EMBED, EMBED_Q, FUSED, LAST_ROWS, LINEAR, LINEAR_Q, RMS_NORM, ROPE, Instruction
 

@@ -11,10 +11,8 @@ numba typed lists of one type each, so ``execute`` has one signature for every m
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numba
@@ -24,22 +22,6 @@ from numba import njit, prange, typed, types
 from lse_core.graph.ir import Step
 
 from . import atomics, kernels, quant
-
-
-def _renew_cache_stamp() -> None:
-    """numba keys ``execute``'s disk cache by this file's stamp only, but execute compiles in the kernels
-    of its sibling files: when one of them is newer, touch this file so the cached code is rebuilt
-    (stale code would run old kernels on new data layouts)."""
-    here = Path(__file__)
-    newest = max(p.stat().st_mtime for p in here.parent.glob("*.py"))
-    if newest > here.stat().st_mtime:
-        try:
-            os.utime(here)
-        except OSError:  # a read-only install is never edited in place
-            pass
-
-
-_renew_cache_stamp()
 
 # instruction ops
 EMBED, EMBED_Q, RMS_NORM, LINEAR, LINEAR_Q, ROPE, ATTENTION, FUSED, LAST_ROWS = range(9)
