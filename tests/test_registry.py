@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
+from lse_core.devices import probe
 from lse_core.devices.registry import discover, parse_pool, resolve_pool
 from lse_core.errors import StartupError
 
@@ -66,3 +71,37 @@ def test_default_pool_prefers_compiled_cpu_kernels_over_an_opencl_cpu_driver():
     assert [d.name for d in chosen] == ["jit:0"] and warnings == []
     several, _ = resolve_pool(registry, "opencl:0,jit:0", refuse_cpu=True)
     assert [d.name for d in several] == ["opencl:0", "jit:0"]
+
+
+LIST_DEVICES = """
+import json, sys
+from lse_core.devices.registry import discover
+registry = discover()
+infos = [[d.name, d.kind, d.declined] for d in registry.all_devices()]
+print(json.dumps({"infos": infos, "loaded": sorted({"pyopencl", "cupy"} & set(sys.modules))}))
+"""
+
+
+def test_opencl_and_cuda_devices_are_listed_by_a_child_so_no_driver_is_loaded_here():
+    """Their drivers stay mapped once loaded (PoCL's LLVM, CuPy): an engine that opens neither must
+    not carry them. The child's listing is the backend's own."""
+    from lse_backends.opencl import OpenCLBackend
+
+    run = subprocess.run([sys.executable, "-c", LIST_DEVICES], capture_output=True, text=True, check=True)
+    listed = json.loads(run.stdout)
+    assert listed["loaded"] == []
+    opencl = [info for info in listed["infos"] if info[0].startswith("opencl:")]
+    assert opencl == [[d.name, d.kind, d.declined] for d in OpenCLBackend().devices()]
+    assert [info[0] for info in listed["infos"] if info[0].startswith("cuda:")] == ["cuda:0"]  # up or declined
+
+
+def test_a_listing_child_that_crashes_or_hangs_declines_the_backend(monkeypatch):
+    crashed = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit('driver segfaulted')"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    (info,) = probe.result(crashed, "opencl")
+    assert info.name == "opencl:0" and info.declined == "listing its devices failed: driver segfaulted"
+    monkeypatch.setattr(probe, "TIMEOUT_S", 0.5)
+    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    (info,) = probe.result(hung, "cuda")
+    assert info.declined == "listing its devices took over 0.5 s" and hung.returncode is not None

@@ -16,6 +16,7 @@ def _declined(reason: str) -> list[DeviceInfo]:
 
 class CUDABackend(Backend):
     name = "cuda"
+    probe_in_child = True  # CuPy and the CUDA runtime
 
     def devices(self) -> list[DeviceInfo]:
         if importlib.util.find_spec("cupy") is None:

@@ -21,6 +21,7 @@ def _kind(cl: Any, device: Any) -> str:
 
 class OpenCLBackend(Backend):
     name = "opencl"
+    probe_in_child = True  # PoCL's LLVM, or a vendor's driver
 
     def __init__(self) -> None:
         self._found: list[tuple[DeviceInfo, Any]] | None = None

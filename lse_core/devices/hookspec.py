@@ -83,6 +83,9 @@ class Device(ABC):
 
 class Backend(ABC):
     name: str
+    # listing devices loads libraries that stay mapped (drivers, their compilers): the registry lists
+    # them from a child process, so only a device the engine opens costs memory (probe.py)
+    probe_in_child: bool = False
 
     @abstractmethod
     def devices(self) -> list[DeviceInfo]:

@@ -10,10 +10,12 @@ import importlib.metadata
 import logging
 import os
 import re
+import subprocess
 from dataclasses import dataclass, field
 
 import pluggy
 
+from lse_core.devices import probe
 from lse_core.devices.hookspec import Backend, BackendSpec, Device, DeviceInfo
 from lse_core.errors import StartupError
 
@@ -31,9 +33,12 @@ class Registry:
     backends: dict[str, Backend] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)      # plugin name -> why it failed
     _infos: dict[str, list[DeviceInfo]] = field(default_factory=dict)
+    _probes: dict[str, subprocess.Popen] = field(default_factory=dict)  # listings running in children
 
     def devices(self, backend: str) -> list[DeviceInfo]:
         """The backend's devices, probed once (a backend that raises is recorded as declined)."""
+        if backend in self._probes:
+            self._infos[backend] = probe.result(self._probes.pop(backend), backend)
         if backend not in self._infos:
             try:
                 self._infos[backend] = list(self.backends[backend].devices())
@@ -57,9 +62,10 @@ class Registry:
         return out
 
 
-def discover(group: str = "lse.backends") -> Registry:
+def discover(group: str = "lse.backends", children: bool = True) -> Registry:
     """Load every backend plugin, or only those LSE_BACKENDS names (comma-separated), as vLLM's
-    VLLM_PLUGINS does; the CPU interpreter always loads, being the fallback."""
+    VLLM_PLUGINS does; the CPU interpreter always loads, being the fallback. ``children``: start
+    listing the devices of backends that ``probe_in_child`` (False in that child)."""
     registry = Registry()
     pm = pluggy.PluginManager("lse")
     pm.add_hookspecs(BackendSpec)
@@ -85,6 +91,11 @@ def discover(group: str = "lse.backends") -> Registry:
                 registry.failures[ep.name] = f"lse_backend() raised: {e!r}"
                 continue
             registry.backends[backend.name] = backend
+            if children and backend.probe_in_child:  # started now: the children list devices while this process goes on
+                try:
+                    registry._probes[backend.name] = probe.start(group, backend.name)
+                except OSError as e:  # no interpreter to start: list them here
+                    log.warning("lse: listing %s devices in this process: %s", backend.name, e)
     for name, reason in registry.failures.items():
         log.warning("lse: backend plugin %s did not load: %s", name, reason)
     return registry
