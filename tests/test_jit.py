@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from checkpoints import greedy_sampling, make_step, prompt_ids
 from gguf import GGMLQuantizationType, quants
+from numba import types
 
 from lse_backends.cpu import CPUDevice
 from lse_backends.jit import JitDevice, cache, codegen, lse_backend, program
@@ -424,3 +425,28 @@ def test_cached_code_is_recompiled_when_any_source_of_the_package_changes(tmp_pa
     assert fresh_dispatcher().cache_misses  # a file it never names changed: compiled again
     assert fresh_dispatcher().cache_hits
     assert isinstance(program.execute._cache._impl.locator, cache.PackageLocator)
+
+
+TYPED_LISTS = """
+import json
+import numpy as np
+from lse_backends.jit import program
+arrays = {"qmats": [np.zeros((8, 18), np.uint8)], "caches": [], "acts": [np.zeros((2, 3), np.float32)] * 2}
+lists = {kind: program._typed(kind, items) for kind, items in arrays.items()}
+stats = program._array_list.stats
+print(json.dumps({"types": {kind: str(l._list_type) for kind, l in lists.items()},
+                  "lengths": {kind: len(l) for kind, l in lists.items()},
+                  "hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values())}))
+"""
+
+
+def test_a_programs_typed_lists_of_arrays_come_from_the_disk_cache_in_a_new_process():
+    """A typed list filled from Python compiles its methods in every process (seconds of the first
+    step after each start): the lists of arrays are built by a cached function instead, with the
+    element types execute's signature names, empty lists included."""
+    runs = [json.loads(subprocess.run([sys.executable, "-c", TYPED_LISTS], capture_output=True, text=True,
+                                      check=True).stdout) for _ in range(2)]
+    second = runs[1]
+    assert second["misses"] == 0 and second["hits"] == 3  # one element type each, loaded from disk
+    assert second["lengths"] == {"qmats": 1, "caches": 0, "acts": 2}
+    assert second["types"] == {kind: str(types.ListType(program._LIST_TYPES[kind])) for kind in second["types"]}

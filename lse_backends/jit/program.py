@@ -11,6 +11,7 @@ numba typed lists of one type each, so ``execute`` has one signature for every m
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import numba
 import numpy as np
 from numba import njit, prange, typed, types
+from numba.core.errors import NumbaPendingDeprecationWarning
 
 from lse_core.graph.ir import Step
 
@@ -345,8 +347,36 @@ def link(programs: Sequence[Program], inputs: Sequence[str], outputs: Sequence[s
 
 
 def _typed(kind: str, items: Sequence[Any]) -> typed.List:
-    result = typed.List.empty_list(_LIST_TYPES[kind])
-    for item in items:
-        result.append(item)
+    """A numba typed list of ``_LIST_TYPES[kind]``. Arrays go in through ``_array_list``: a typed list
+    filled from Python compiles its methods for the element type in every process (5 s of the first
+    step here, each time the engine started)."""
+    element = _LIST_TYPES[kind]
+    if not isinstance(element, types.Array):  # functions: few, and no cached way in
+        result = typed.List.empty_list(element)
+        for item in items:
+            result.append(item)
+        return result
+    dtype = numba.np.numpy_support.as_dtype(element.dtype)
+    arrays = [_as_element(np.asarray(a, dtype), element) for a in items]
+    with warnings.catch_warnings():  # the reflected list argument is never written to
+        warnings.simplefilter("ignore", NumbaPendingDeprecationWarning)
+        return _array_list(arrays or [_as_element(np.empty((0,) * element.ndim, dtype), element)], len(arrays))
+
+
+def _as_element(array: np.ndarray, element: types.Array) -> np.ndarray:
+    """``array`` typed as the list's elements: a read-only view where they are read-only."""
+    if not element.mutable and array.flags.writeable:
+        array = array.view()
+        array.flags.writeable = False
+    return array
+
+
+@njit(cache=True)
+def _array_list(arrays, count):
+    """A typed list of arrays[:count]: cached on disk for each element type (arrays holds one, even
+    for an empty list, to give the type)."""
+    result = typed.List()
+    for i in range(count):
+        result.append(arrays[i])
     return result
 
