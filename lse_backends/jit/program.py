@@ -11,6 +11,7 @@ numba typed lists of one type each, so ``execute`` has one signature for every m
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,34 +51,17 @@ _LIST_TYPES = {  # every typed list ``execute`` takes, by the kind of thing it h
 }
 
 
+_INDICES, _STEP = types.int64[::1], types.int32[::1]  # int64 counts and counters; a Step's int32 arrays
+_WORK_SIGNATURE = types.void(
+    types.int64[:, ::1], types.float32[:, ::1], *[types.ListType(_LIST_TYPES[kind]) for kind in ("acts", "flats")],
+    _INDICES, *[types.ListType(_LIST_TYPES[kind]) for kind in ("mats", "qmats", "vecs", "caches", "fns")],
+    _STEP, _STEP, _INDICES, _STEP, _INDICES, types.int64, types.int64)
+
+
 # only the thread loop becomes parallel code: numba's other parallel rewrites (array expressions, slices)
 # would each compile another parallel kernel here and speed up nothing
 _THREADS_ONLY = {"prange": True, "comprehension": False, "reduction": False, "inplace_binop": False,
                  "setitem": False, "numpy": False, "stencil": False, "fusion": False}
-
-
-@njit(cache=True, nogil=True, parallel=_THREADS_ONLY)
-def execute(code, floats, acts, flats, rows, mats, qmats, vecs, caches, fns,
-            tokens, positions, slots, query_starts, sample_rows, counters, n_threads):
-    """Run every instruction in order on ``n_threads`` threads (numba's count: each gets one part).
-    ``rows`` holds each value's live row count (set for the inputs); ``counters`` has at least
-    ``counter_size(n_instructions, n_threads)`` int64s."""
-    row_slot = np.empty(tokens.shape[0], np.int64)  # each token row's KV cache slot
-    for i in range(slots.shape[0]):
-        row_slot[query_starts[i]:query_starts[i + 1]] = slots[i]
-    counts = np.empty(code.shape[0], np.int64)  # each instruction's rows, known before anything runs
-    for k in range(code.shape[0]):
-        c = code[k]
-        counts[k] = rows[c[IN]] if c[IN] >= 0 else tokens.shape[0]
-        for j in range(OUT, IN):
-            if c[j] >= 0:
-                rows[c[j]] = sample_rows.shape[0] if c[0] == LAST_ROWS else counts[k]
-    counters[:counter_size(code.shape[0], n_threads)] = 0
-    # one parallel region for the whole program, its threads meeting at each instruction's end, instead
-    # of waking them for each parallel op (hundreds a step)
-    for thread in prange(n_threads):  # np.int64: numba types the index unsigned when it lowers the loop,
-        _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tokens, positions, row_slot,
-              sample_rows, counters, n_threads, np.int64(thread))  # which would compile _work twice
 
 
 @njit(cache=True, nogil=True)
@@ -85,45 +69,6 @@ def counter_size(n_instructions: int, n_threads: int) -> int:
     """int64s of counters for a program run: per instruction and phase, the items done and each thread's
     items claimed, a cache line each."""
     return n_instructions * PHASES * (n_threads + 1) * LINE
-
-
-@njit(cache=True, nogil=True)
-def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tokens, positions, row_slot,
-          sample_rows, counters, n_threads, thread):
-    """Thread ``thread``'s part. Each task (an instruction, or one of its phases) starts once the one
-    before it is done. A task of one item is thread 0's: the other threads go on to the next task of
-    several, so a chain of small ops costs them one wait, not one each. The items of a task of several
-    are split into one contiguous range per thread (a weight streams through one core's prefetches); a
-    thread claims its own range's items, then what is left of the others'. numba runs the n_threads
-    iterations of execute's prange on its n_threads threads at once (the join waits for all of them);
-    a thread that starts late finds its items claimed by the others."""
-    widest = 0
-    for a in acts:
-        widest = max(widest, a.shape[1])
-    sums = np.empty((2, widest // quant.BLOCK), np.float32)  # this thread's block sums for quantized linears
-    sums_for = -1  # the instruction they are for
-    before, before_items = -1, 0  # the task before: its done counter and item count
-    for k in range(code.shape[0]):
-        c, n = code[k], counts[k]
-        for phase in range(PHASES if c[0] == ATTENTION else 1):
-            n_items = _items(c, phase, n, acts, mats, qmats, caches, n_threads)
-            done = (k * PHASES + phase) * (n_threads + 1) * LINE
-            if n_items > 1 or thread == 0:
-                if before >= 0:
-                    _wait(counters, before, before_items)
-                for j in range(n_threads if n_items > 1 else 1):
-                    owner = (thread + j) % n_threads
-                    first, end = _span(n_items, n_threads, owner) if n_items > 1 else (0, 1)
-                    item = first + atomics.fetch_add(counters, done + (owner + 1) * LINE, 1)
-                    while item < end:
-                        if c[0] == LINEAR_Q and sums_for != k:  # once per instruction, where the thread works on it
-                            quant.block_sums(c[ARG + 1], acts[c[IN]][:n], sums)
-                            sums_for = k
-                        _run(c, phase, item, n_items, n, floats[k, 0], acts, flats, mats, qmats, vecs, caches, fns,
-                             tokens, positions, row_slot, sample_rows, sums)
-                        atomics.fetch_add(counters, done, 1)  # after the item's writes: whoever sees it sees them
-                        item = first + atomics.fetch_add(counters, done + (owner + 1) * LINE, 1)
-            before, before_items = done, n_items
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -219,6 +164,87 @@ def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, cac
         x, y = acts[c[IN]], acts[out]
         for i in range(sample_rows.shape[0]):
             y[i] = x[sample_rows[i]]
+
+
+@njit(_WORK_SIGNATURE, cache=True, nogil=True)
+def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tokens, positions, row_slot,
+          sample_rows, counters, n_threads, thread):
+    """Thread ``thread``'s part. Each task (an instruction, or one of its phases) starts once the one
+    before it is done. A task of one item is thread 0's: the other threads go on to the next task of
+    several, so a chain of small ops costs them one wait, not one each. The items of a task of several
+    are split into one contiguous range per thread (a weight streams through one core's prefetches); a
+    thread claims its own range's items, then what is left of the others'. numba runs the n_threads
+    iterations of execute's prange on its n_threads threads at once (the join waits for all of them);
+    a thread that starts late finds its items claimed by the others."""
+    widest = 0
+    for a in acts:
+        widest = max(widest, a.shape[1])
+    sums = np.empty((2, widest // quant.BLOCK), np.float32)  # this thread's block sums for quantized linears
+    sums_for = -1  # the instruction they are for
+    before, before_items = -1, 0  # the task before: its done counter and item count
+    for k in range(code.shape[0]):
+        c, n = code[k], counts[k]
+        for phase in range(PHASES if c[0] == ATTENTION else 1):
+            n_items = _items(c, phase, n, acts, mats, qmats, caches, n_threads)
+            done = (k * PHASES + phase) * (n_threads + 1) * LINE
+            if n_items > 1 or thread == 0:
+                if before >= 0:
+                    _wait(counters, before, before_items)
+                for j in range(n_threads if n_items > 1 else 1):
+                    owner = (thread + j) % n_threads
+                    first, end = _span(n_items, n_threads, owner) if n_items > 1 else (0, 1)
+                    item = first + atomics.fetch_add(counters, done + (owner + 1) * LINE, 1)
+                    while item < end:
+                        if c[0] == LINEAR_Q and sums_for != k:  # once per instruction, where the thread works on it
+                            quant.block_sums(c[ARG + 1], acts[c[IN]][:n], sums)
+                            sums_for = k
+                        _run(c, phase, item, n_items, n, floats[k, 0], acts, flats, mats, qmats, vecs, caches, fns,
+                             tokens, positions, row_slot, sample_rows, sums)
+                        atomics.fetch_add(counters, done, 1)  # after the item's writes: whoever sees it sees them
+                        item = first + atomics.fetch_add(counters, done + (owner + 1) * LINE, 1)
+            before, before_items = done, n_items
+
+
+@njit(cache=True, nogil=True, parallel=_THREADS_ONLY)
+def execute(work, code, floats, acts, flats, rows, mats, qmats, vecs, caches, fns,
+            tokens, positions, slots, query_starts, sample_rows, counters, n_threads):
+    """Run every instruction in order on ``n_threads`` threads (numba's count: each gets one part).
+    ``rows`` holds each value's live row count (set for the inputs); ``counters`` has at least
+    ``counter_size(n_instructions, n_threads)`` int64s; ``work`` is ``work_list()``."""
+    row_slot = np.empty(tokens.shape[0], np.int64)  # each token row's KV cache slot
+    for i in range(slots.shape[0]):
+        row_slot[query_starts[i]:query_starts[i + 1]] = slots[i]
+    counts = np.empty(code.shape[0], np.int64)  # each instruction's rows, known before anything runs
+    for k in range(code.shape[0]):
+        c = code[k]
+        counts[k] = rows[c[IN]] if c[IN] >= 0 else tokens.shape[0]
+        for j in range(OUT, IN):
+            if c[j] >= 0:
+                rows[c[j]] = sample_rows.shape[0] if c[0] == LAST_ROWS else counts[k]
+    counters[:counter_size(code.shape[0], n_threads)] = 0
+    # one parallel region for the whole program, its threads meeting at each instruction's end, instead
+    # of waking them for each parallel op (hundreds a step)
+    for thread in prange(n_threads):  # np.int64: numba types the index unsigned when it lowers the loop
+        work[0](code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tokens, positions, row_slot,
+                sample_rows, counters, n_threads, np.int64(thread))
+
+
+WORK_TYPE = types.FunctionType(_WORK_SIGNATURE)
+
+
+@njit(types.ListType(WORK_TYPE)(WORK_TYPE), cache=True)
+def _listed(work):
+    result = typed.List.empty_list(WORK_TYPE)
+    result.append(work)
+    return result
+
+
+@functools.cache
+def work_list() -> typed.List:
+    """[_work] as ``execute`` calls it: through a function pointer, so that execute's compiled code does
+    not hold _work's, and numba compiles execute in 2 s instead of re-optimizing all of _work in it (25 s
+    of a cold start). Passed in a list: a function argument is looked up at every call (1 ms here)."""
+    return _listed(_work)
 
 
 @dataclass
@@ -324,9 +350,10 @@ class Program:
         lists, n_threads = self.lists, numba.get_num_threads()
         if self.counters.size < counter_size(len(self.instructions), n_threads):
             self.counters = np.zeros(counter_size(len(self.instructions), n_threads), np.int64)
-        execute(self.code, self.floats, self.typed_acts, self.typed_flats, self.rows, lists["mats"],
-                lists["qmats"], lists["vecs"], lists["caches"], lists["fns"], step.tokens, step.positions,
-                step.slots, step.query_starts, step.sample_rows, self.counters, n_threads)
+        indices = [np.ascontiguousarray(a, np.int32) for a in  # _work's signature: int32, contiguous
+                   (step.tokens, step.positions, step.slots, step.query_starts, step.sample_rows)]
+        execute(work_list(), self.code, self.floats, self.typed_acts, self.typed_flats, self.rows, lists["mats"],
+                lists["qmats"], lists["vecs"], lists["caches"], lists["fns"], *indices, self.counters, n_threads)
         return [self.acts[self.slot[name]][:self.rows[self.slot[name]]] for name in self.outputs]
 
     def _check(self, step: Step) -> None:
