@@ -229,12 +229,13 @@ def execute(work, code, floats, acts, flats, rows, mats, qmats, vecs, caches, fn
                 sample_rows, counters, n_threads, np.int64(thread))
 
 
-WORK_TYPE = types.FunctionType(_WORK_SIGNATURE)
+_WORK_TYPE = types.FunctionType(_WORK_SIGNATURE)
 
 
-@njit(types.ListType(WORK_TYPE)(WORK_TYPE), cache=True)
+@njit(types.ListType(_WORK_TYPE)(_WORK_TYPE), cache=True)
 def _listed(work):
-    result = typed.List.empty_list(WORK_TYPE)
+    """[work] as a typed list (built in compiled code, so its methods are cached, not compiled per process)."""
+    result = typed.List.empty_list(_WORK_TYPE)
     result.append(work)
     return result
 
