@@ -96,12 +96,19 @@ def test_opencl_and_cuda_devices_are_listed_by_a_child_so_no_driver_is_loaded_he
 
 
 def test_a_listing_child_that_crashes_or_hangs_declines_the_backend(monkeypatch):
-    crashed = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit('driver segfaulted')"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    (info,) = probe.result(crashed, "opencl")
+    """The registry records the child's failure as it does a devices() that raises: one declined entry."""
+    registry = discover()
+    for started in registry._probes.values():  # the real listings, replaced below by failing ones
+        started.communicate()
+    registry._probes["opencl"] = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit('driver segfaulted')"],
+                                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    (info,) = registry.devices("opencl")
     assert info.name == "opencl:0" and info.declined == "listing its devices failed: driver segfaulted"
     monkeypatch.setattr(probe, "TIMEOUT_S", 0.5)
     hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    (info,) = probe.result(hung, "cuda")
+    registry._probes["cuda"] = hung
+    (info,) = registry.devices("cuda")
     assert info.declined == "listing its devices took over 0.5 s" and hung.returncode is not None
+    assert {"opencl: listing its devices failed: driver segfaulted",
+            "cuda: listing its devices took over 0.5 s"} <= set(registry.declined())

@@ -29,22 +29,22 @@ def start(group: str, name: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def result(child: subprocess.Popen, name: str) -> list[DeviceInfo]:
-    """The devices the child listed; one declined entry saying why where it failed."""
+class ProbeFailed(RuntimeError):
+    """The child crashed or hung; the message says which."""
+
+
+def result(child: subprocess.Popen) -> list[DeviceInfo]:
+    """The devices the child listed; ProbeFailed where it did not."""
     try:
         out, err = child.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         child.kill()
         child.communicate()
-        return [_declined(name, f"listing its devices took over {TIMEOUT_S} s")]
+        raise ProbeFailed(f"listing its devices took over {TIMEOUT_S} s") from None
     if child.returncode != 0:
         last = (err.strip().splitlines() or [f"exit status {child.returncode}"])[-1]
-        return [_declined(name, f"listing its devices failed: {last}")]
+        raise ProbeFailed(f"listing its devices failed: {last}")
     return [DeviceInfo(**fields) for fields in json.loads(out)]
-
-
-def _declined(name: str, reason: str) -> DeviceInfo:
-    return DeviceInfo(name, 0, "gpu", True, declined=reason)
 
 
 def main() -> None:

@@ -36,14 +36,14 @@ class Registry:
     _probes: dict[str, subprocess.Popen] = field(default_factory=dict)  # listings running in children
 
     def devices(self, backend: str) -> list[DeviceInfo]:
-        """The backend's devices, probed once (a backend that raises is recorded as declined)."""
-        if backend in self._probes:
-            self._infos[backend] = probe.result(self._probes.pop(backend), backend)
+        """The backend's devices, probed once (here or by its child; one that fails is recorded as declined)."""
         if backend not in self._infos:
+            child = self._probes.pop(backend, None)
             try:
-                self._infos[backend] = list(self.backends[backend].devices())
-            except Exception as e:  # a plugin's bug must not stop the engine
-                self._infos[backend] = [DeviceInfo(backend, 0, "cpu", False, declined=f"devices() raised: {e!r}")]
+                self._infos[backend] = probe.result(child) if child else list(self.backends[backend].devices())
+            except Exception as e:  # a plugin's bug, or its driver's crash in the child, must not stop the engine
+                reason = str(e) if isinstance(e, probe.ProbeFailed) else f"devices() raised: {e!r}"
+                self._infos[backend] = [DeviceInfo(backend, 0, "cpu", False, declined=reason)]
         return self._infos[backend]
 
     def all_devices(self) -> list[DeviceInfo]:
