@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType, quants
 import lse_backends.jit.quant as quant
 
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
-TOKENS = (1, 2, 3, 5, 16, 37)  # tiles of 1, 4 and 8 tokens and every remainder they leave
+TOKENS = (1, 2, 3, 5, 16, 37)  # one-token passes, 4-token tiles, panels, and the remainders each leaves
 # rows: one group (the two-group tile clamped), an odd number of groups, groups plus 5 rows kept as
 # stored, only such rows; 200 rows split into several work items from 2 tokens, 600 rows from 1. n: one
 # block, odd and even numbers of blocks.

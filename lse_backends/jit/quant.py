@@ -1,5 +1,6 @@
 """Quantized linear layers: GGUF Q4_0, Q4_1 and Q8_0 weights times float32 activations, the blocks decoded
-in registers (no dequantized copy of the weights, no quantized activations). The jit device decodes other
+in registers or, for steps of many tokens, sixteen rows at a time into a float32 panel that stays in
+cache (never a dequantized copy of the weights; no quantized activations). The jit device decodes other
 GGUF types (Q4_K, Q6_K, Q5_0...) exactly to float32 once at load.
 
 Layout. ``prepare`` re-lays a weight once at load into a new array of the same shape and bytes: rows go
@@ -16,9 +17,12 @@ nibbles to int64 and do not vectorize), per tile of row groups x tokens:
   one token   t = sum_i q_i * x_i (two or four partial chains), acc += d * t; the offset term is
               acc_off += m * s (Q4_1) or d * s (Q4_0, times -8 at the end), s = the block's activation
               sum, computed once per call. Two Q4 groups per tile share the activation broadcasts.
-  4, 8 tokens w_i = d * q_i + m (Q4_0: d * q_i - 8d, exactly d * (q_i - 8)), then acc_c += w_i * x_ci:
+  4 tokens    w_i = d * q_i + m (Q4_0: d * q_i - 8d, exactly d * (q_i - 8)), then acc_c += w_i * x_ci:
               each block is decoded once for all the tile's tokens.
-Both agree with ``x @ dequantized_W.T`` to float32 summation-order rounding. Where the host has AVX2,
+  panels      (steps of PANEL_TOKENS or more) a pair of row groups is decoded once, the same w_i, to a
+              float32 panel [n, 16]; 4-token panel tiles then run acc_ck += w_ik * x_ci with 2 x 4
+              accumulators: a weight vector loaded serves four tokens, a broadcast two weight vectors.
+All agree with ``x @ dequantized_W.T`` to float32 summation-order rounding. Where the host has AVX2,
 F16C and FMA, LLVM lowers the f16 scales to vcvtph2ps; elsewhere (or with ``LSE_JIT_PORTABLE=1``) they
 are decoded with integer vector ops, so the IR is generic, any LLVM target lowers it, and the results
 are the same bit for bit. numba's cache is keyed by the host CPU but not by LSE_JIT_PORTABLE: use a
@@ -190,8 +194,7 @@ def _make_tile(kind: int, n_groups: int, n_tokens: int, n_chains: int):
 
                 blocks = [builder.gep(w_k, [builder.mul(b, _int(group_block))]) for w_k in weights]
                 for block in blocks:
-                    for line in range(0, group_block, 64):
-                        _prefetch(builder, builder.gep(block, [_int(PREFETCH_BYTES + line)]))
+                    _prefetch_ahead(builder, block, group_block)
                 for k, block in enumerate(blocks):
                     d = _scales(builder, block)
                     m = _scales(builder, builder.gep(block, [_int(2 * GROUP)])) if kind == Q4_1 else None
@@ -226,8 +229,7 @@ def _make_tile(kind: int, n_groups: int, n_tokens: int, n_chains: int):
                     if one_token and kind != Q8_0:
                         offset = builder.load(offsets[k])
                         total = builder.fadd(total, offset if kind == Q4_1 else builder.fmul(offset, _vector(-8.0)))
-                    at = builder.gep(_row(builder, out_a, tokens[c], _f32), [group_rows[k]])
-                    builder.store(total, builder.bitcast(at, _v8f32.as_pointer()), align=4)
+                    _store(builder, out_a, tokens[c], group_rows[k], total)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -235,92 +237,181 @@ def _make_tile(kind: int, n_groups: int, n_tokens: int, n_chains: int):
     return tile
 
 
+def _make_unpack(kind: int, n_groups: int):
+    """An intrinsic ``unpack(w, g, g_last, panel)``: row groups g + k, k < n_groups (clamped to g_last),
+    decoded to float32, panel[i, 8 k + r] = W[8 (g + k) + r, i], each w = d q + m (Q4_0: m = -8 d; Q8_0:
+    none)."""
+    block_bytes, header_bytes = LAYOUT[kind]
+    group_block = GROUP * block_bytes
+
+    @intrinsic
+    def unpack(typingctx, w, g, g_last, panel):
+        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, panel)):
+            raise TypingError("panels are unpacked from and to C-contiguous 2-D arrays")
+        sig = types.void(w, g, g_last, panel)
+
+        def codegen(context, builder, signature, args):
+            w_a, panel_a = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 3))
+            first_group, last_group = (context.cast(builder, args[i], signature.args[i], types.intp) for i in (1, 2))
+            weights = [_row(builder, w_a, builder.mul(_clamp(builder, builder.add(first_group, _int(k)), last_group),
+                                                      _int(GROUP)), _i8) for k in range(n_groups)]
+            n_blocks = builder.lshr(builder.extract_value(panel_a.shape, 0), _int(5))
+            with cgutils.for_range(builder, n_blocks) as loop:
+                b = loop.index
+                for k, w_k in enumerate(weights):
+                    block = builder.gep(w_k, [builder.mul(b, _int(group_block))])
+                    _prefetch_ahead(builder, block, group_block)
+                    d = _scales(builder, block)
+                    m = (_scales(builder, builder.gep(block, [_int(2 * GROUP)])) if kind == Q4_1
+                         else builder.fmul(d, _vector(-8.0)) if kind == Q4_0 else None)
+                    for i, q in _quants(builder, kind, builder.gep(block, [_int(GROUP * header_bytes)])):
+                        value = builder.fmul(q, d) if m is None else _fma(builder, q, d, m)
+                        _store(builder, panel_a, builder.add(builder.mul(b, _int(BLOCK)), _int(i)), _int(GROUP * k),
+                               value)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return unpack
+
+
+def _make_panel_tile(n_groups: int, n_tokens: int):
+    """An intrinsic ``panel_tile(panel, x, t, g, g_last, out)``: out[t + c, rows of groups g + k] =
+    x[t + c] @ panel for c < n_tokens, k < n_groups, panel as ``unpack`` wrote it for g. Token and group
+    indices past x's last row and g_last are clamped to them, as the tiles' are. Each weight vector loaded
+    serves every token of the tile, each activation broadcast every vector."""
+
+    @intrinsic
+    def panel_tile(typingctx, panel, x, t, g, g_last, out):
+        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (panel, x, out)):
+            raise TypingError("panel tiles take C-contiguous 2-D arrays")
+        sig = types.void(panel, x, t, g, g_last, out)
+
+        def codegen(context, builder, signature, args):
+            panel_a, x_a, out_a = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 5))
+            first_token, first_group, last_group = (context.cast(builder, args[i], signature.args[i], types.intp)
+                                                    for i in (2, 3, 4))
+            last_token = builder.sub(builder.extract_value(x_a.shape, 0), _int(1))
+            tokens = [_clamp(builder, builder.add(first_token, _int(c)), last_token) for c in range(n_tokens)]
+            group_rows = [builder.mul(_clamp(builder, builder.add(first_group, _int(k)), last_group), _int(GROUP))
+                          for k in range(n_groups)]
+            x_rows = [_row(builder, x_a, c, _f32) for c in tokens]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(_v8f32, None)) for _ in group_rows]
+                    for _ in tokens]
+            with cgutils.for_range(builder, builder.extract_value(x_a.shape, 1)) as loop:
+                i = loop.index
+                vectors = [_load(builder, _row(builder, panel_a, i, _i8), 4 * GROUP * k, _v8f32)
+                           for k in range(n_groups)]
+                for c in range(n_tokens):
+                    x_c = _splat(builder, builder.load(builder.gep(x_rows[c], [i])))
+                    for k in range(n_groups):
+                        builder.store(_fma(builder, vectors[k], x_c, builder.load(accs[c][k])), accs[c][k])
+            for c in range(n_tokens):
+                for k in range(n_groups):
+                    _store(builder, out_a, tokens[c], group_rows[k], builder.load(accs[c][k]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return panel_tile
+
+
+def _prefetch_ahead(builder: ir.IRBuilder, block: ir.Value, group_block: int) -> None:
+    for line in range(0, group_block, 64):
+        _prefetch(builder, builder.gep(block, [_int(PREFETCH_BYTES + line)]))
+
+
+def _store(builder: ir.IRBuilder, array, row: ir.Value, column: ir.Value, value: ir.Value) -> None:
+    """Store <8 x float> ``value`` at [row, column .. column + 7] of a 2-D float32 numba array."""
+    at = builder.gep(_row(builder, array, row, _f32), [column])
+    builder.store(value, builder.bitcast(at, _v8f32.as_pointer()), align=4)
+
+
 # Tile shapes (groups, tokens, partial chains), the fastest measured on Zen 3: one token in two groups for
 # Q4 (16 rows share the activation broadcasts), in one group with four partial sums for Q8_0 (whose cheap
-# decode leaves the FMA latency exposed, and two groups spill registers); 4 and 8 tokens in one group,
-# which fills the 16 vector registers with accumulators.
-_q4_0_1, _q4_0_4, _q4_0_8 = (_make_tile(Q4_0, *shape) for shape in ((2, 1, 2), (1, 4, 2), (1, 8, 1)))
-_q4_1_1, _q4_1_4, _q4_1_8 = (_make_tile(Q4_1, *shape) for shape in ((2, 1, 2), (1, 4, 2), (1, 8, 1)))
-_q8_0_1, _q8_0_4, _q8_0_8 = (_make_tile(Q8_0, *shape) for shape in ((1, 1, 4), (1, 4, 2), (1, 8, 1)))
+# decode leaves the FMA latency exposed, and two groups spill registers); 4 tokens in one group.
+_q4_0_1, _q4_0_4 = (_make_tile(Q4_0, *shape) for shape in ((2, 1, 2), (1, 4, 2)))
+_q4_1_1, _q4_1_4 = (_make_tile(Q4_1, *shape) for shape in ((2, 1, 2), (1, 4, 2)))
+_q8_0_1, _q8_0_4 = (_make_tile(Q8_0, *shape) for shape in ((1, 1, 4), (1, 4, 2)))
+PANEL_GROUPS = 2  # row groups a panel holds (three measured no faster, and items hold pairs of groups)
+_q4_0_unpack, _q4_1_unpack, _q8_0_unpack = (_make_unpack(kind, PANEL_GROUPS) for kind in (Q4_0, Q4_1, Q8_0))
+# Panel tiles: 2 x 4 accumulators, two weight vectors and a broadcast fill 11 of the 16 vector registers.
+# (A register tile of 8 tokens in one group, one accumulator each, ran at half their rate: a broadcast per
+# FMA, and no slack over the FMA latency.)
+_panel_tile = _make_panel_tile(PANEL_GROUPS, 4)
+# Tokens per step for each path: up to ONE_TOKEN_PASSES, one-token passes over the weights; from
+# PANEL_TOKENS, panels; between, 4-token register tiles. Measured on SmolLM2's layers, 2 threads: panels
+# against register tiles were slower at 3 and 4 tokens, even at 8, 1.15x at 16 and 1.6x at 512.
+ONE_TOKEN_PASSES, PANEL_TOKENS = 2, 8
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _tile(kind, tokens, w, g, g_last, x, sums, t, out):
-    """The tile of this weight type for 1, 4 or 8 tokens."""
+    """The tile of this weight type for 1 or 4 tokens."""
     if kind == Q4_1:
         if tokens == 1:
             _q4_1_1(w, g, g_last, x, sums, t, out)
-        elif tokens == 4:
-            _q4_1_4(w, g, g_last, x, sums, t, out)
         else:
-            _q4_1_8(w, g, g_last, x, sums, t, out)
+            _q4_1_4(w, g, g_last, x, sums, t, out)
     elif kind == Q4_0:
         if tokens == 1:
             _q4_0_1(w, g, g_last, x, sums, t, out)
-        elif tokens == 4:
-            _q4_0_4(w, g, g_last, x, sums, t, out)
         else:
-            _q4_0_8(w, g, g_last, x, sums, t, out)
+            _q4_0_4(w, g, g_last, x, sums, t, out)
     elif tokens == 1:
         _q8_0_1(w, g, g_last, x, sums, t, out)
-    elif tokens == 4:
-        _q8_0_4(w, g, g_last, x, sums, t, out)
     else:
-        _q8_0_8(w, g, g_last, x, sums, t, out)
+        _q8_0_4(w, g, g_last, x, sums, t, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _tile_tokens(left):
-    """Tokens per tile for ``left`` remaining tokens: a clamped wider tile where it beats one-token passes
-    (per Q4_1 block-row, measured here: a one-token pass ~6 cycles, a 4-token tile ~15, 8 tokens ~29)."""
-    if left >= 6:
-        return 8
-    if left >= 3:
-        return 4
-    return 1
+def _unpack(kind, w, g, g_last, panel):
+    """The PANEL_GROUPS row groups from g of this weight type decoded to the panel."""
+    if kind == Q4_1:
+        _q4_1_unpack(w, g, g_last, panel)
+    elif kind == Q4_0:
+        _q4_0_unpack(w, g, g_last, panel)
+    else:
+        _q8_0_unpack(w, g, g_last, panel)
 
 
 @njit(cache=True, nogil=True)
 def _groups(kind, w, x, out, g0, g1, sums):
-    """Row groups g0 .. g1 - 1 against every token: token tiles outer, so the groups' weights stay in
-    cache while the tiles pass. A one-token tile (the last one or two tokens) runs on that token's row
-    alone, with its block sums (``block_sums``)."""
-    t, single = 0, _single_rows(x.shape[0])
-    while t < x.shape[0]:
-        tokens = _tile_tokens(x.shape[0] - t)
-        if tokens == 1:
-            row, out_row, row_sums = x[t:t + 1], out[t:t + 1], sums[t - single:t - single + 1]
+    """Row groups g0 .. g1 - 1 against every token, token tiles outer so that the groups' weights stay in
+    cache while the tiles pass (``ONE_TOKEN_PASSES``, ``PANEL_TOKENS``): one-token tiles, with the tokens'
+    block sums (``block_sums``); 4-token tiles; or each pair of groups decoded once to a float32 panel (16
+    rows x n, in cache) that 4-token panel tiles multiply. Tiles past the last token are clamped to it."""
+    n_tokens = x.shape[0]
+    if n_tokens <= ONE_TOKEN_PASSES:
+        for t in range(n_tokens):
             for g in range(g0, g1, 1 if kind == Q8_0 else 2):  # Q4 one-token tiles take two groups
-                _tile(kind, 1, w, g, g1 - 1, row, row_sums, 0, out_row)
-        else:
+                _tile(kind, 1, w, g, g1 - 1, x, sums, t, out)
+    elif n_tokens < PANEL_TOKENS:
+        for t in range(0, n_tokens, 4):
             for g in range(g0, g1):
-                _tile(kind, tokens, w, g, g1 - 1, x, sums, t, out)
-        t += tokens
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _single_rows(n_tokens):
-    """The first of the token rows that one-token tiles take (at most two: the rest go in wider tiles)."""
-    t = 0
-    while n_tokens - t > 2:
-        t += _tile_tokens(n_tokens - t)
-    return t
+                _tile(kind, 4, w, g, g1 - 1, x, sums, t, out)
+    else:
+        panel = np.empty((x.shape[1], PANEL_GROUPS * GROUP), np.float32)
+        for g in range(g0, g1, PANEL_GROUPS):
+            _unpack(kind, w, g, g1 - 1, panel)
+            for t in range(0, n_tokens, 4):
+                _panel_tile(panel, x, t, g, g1 - 1, out)
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "nsz"})
 def block_sums(kind: int, x: np.ndarray, sums: np.ndarray) -> None:
-    """sums[j, b] = the sum of block b of x's row single + j, for the rows one-token Q4 tiles take
-    (``linear_item`` reads them; sums is [2, x's width / 32] or larger). Reassociated: LLVM vectorizes it."""
-    if kind == Q8_0:
+    """sums[t, b] = the sum of block b of x's row t, where one-token Q4 tiles take x (up to
+    ONE_TOKEN_PASSES rows; ``linear_item`` reads them; sums is [2, x's width / 32] or larger).
+    Reassociated: LLVM vectorizes it."""
+    if kind == Q8_0 or x.shape[0] > ONE_TOKEN_PASSES:
         return
-    single = _single_rows(x.shape[0])
-    for t in range(single, x.shape[0]):
+    for t in range(x.shape[0]):
         row = x[t]
         for b in range(x.shape[1] // BLOCK):
             total = np.float32(0.0)
             for i in range(b * BLOCK, (b + 1) * BLOCK):
                 total += row[i]
-            sums[t - single, b] = total
+            sums[t, b] = total
 
 
 # Work items: a product splits into items of about ITEM_WORK block-rows x tokens (~5 us here, where
