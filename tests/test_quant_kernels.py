@@ -57,6 +57,14 @@ def test_the_shapes_reach_one_and_several_work_items():
     assert all(count <= max(1, (rows // quant.GROUP + 1) // 2) for (rows, _, _), count in counts.items())
 
 
+def test_the_token_counts_reach_every_path():
+    """One-token passes, 4-token register tiles and panels (quant._groups) each get token counts, panels a
+    count that leaves a clamped remainder tile."""
+    assert min(TOKENS) <= quant.ONE_TOKEN_PASSES
+    assert any(quant.ONE_TOKEN_PASSES < t < quant.PANEL_TOKENS for t in TOKENS)
+    assert any(t >= quant.PANEL_TOKENS and t % 4 for t in TOKENS)
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("rows, n", SHAPES)
 def test_linear_is_x_times_the_dequantized_weight(qtype, rows, n):
