@@ -2,7 +2,9 @@
 
 Every kernel writes into an output array the caller preallocated, takes only arrays and scalars, and
 runs on the calling thread over the range of rows (or items) it is given: a program (program.py) hands
-the ranges to its threads. Attention and the float32 linear let LLVM reassociate their dot products so
+the ranges to its threads. Kernels write arrays element by element, never as array assignments or
+in-place array operators: for those numba compiles a shape-checked raise with its message formatting,
+8 s of a cold start here. Attention and the float32 linear let LLVM reassociate their dot products so
 they vectorize.
 """
 
@@ -144,7 +146,8 @@ def _attend(q, keys, values, first, end, t, g, group, scale, out):
             e = expf(scores[hh, j] - top)
             scores[hh, j] = e
             total += e
-        scores[hh] /= total
+        for j in range(n):  # element by element (see the module doc)
+            scores[hh, j] /= total
     acc = np.zeros((group, head_dim), np.float32)
     for j in range(n):
         for hh in range(group):

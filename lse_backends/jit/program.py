@@ -163,7 +163,8 @@ def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, cac
     elif op == LAST_ROWS:
         x, y = acts[c[IN]], acts[out]
         for i in range(sample_rows.shape[0]):
-            y[i] = x[sample_rows[i]]
+            for j in range(x.shape[1]):  # element by element, as kernels.py's doc says why
+                y[i, j] = x[sample_rows[i], j]
 
 
 @njit(_WORK_SIGNATURE, cache=True, nogil=True)
