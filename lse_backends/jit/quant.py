@@ -31,8 +31,6 @@ fresh NUMBA_CACHE_DIR when switching it.
 Drivers: a product splits into work items, each a range of row groups that every token tile passes over
 (the range's weights stay in cache while the tiles pass); the tiles prefetch the weight stream ahead.
 ``linear_item`` runs one item (programs hand items to their threads), ``linear`` all of them.
-Everything numba compiles lives in this one file because numba's cache is invalidated by the caller's
-source file only.
 """
 
 from __future__ import annotations
