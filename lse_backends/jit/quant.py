@@ -47,6 +47,27 @@ from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
+from .vector import (
+    LANES,
+    clamp,
+    f32,
+    fma,
+    i8,
+    integer,
+    load,
+    prefetch,
+    row_pointer,
+    splat,
+    store,
+    tree_sum,
+    v8f16,
+    v8f32,
+    v8i8,
+    v8i16,
+    v8i32,
+    vector,
+)
+
 _features = llvm.get_host_cpu_features()
 AVX2 = all(_features.get(f) for f in ("avx2", "f16c", "fma")) and os.environ.get("LSE_JIT_PORTABLE") != "1"
 
@@ -55,58 +76,31 @@ KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
 # LAYOUT[kind] = (bytes per 32-value block, bytes of its f16 header: d, or d and m); a tuple numba reads too
 LAYOUT = ((18, 2), (20, 4), (34, 2))
 BLOCK = 32
-GROUP = 8  # rows per group: one vector lane each
+GROUP = LANES  # rows per group: one vector lane each
 # Decoding outruns one core's stream of weights from memory; prefetching this far ahead in each row group's
 # stream made one thread's 210 layer GEMVs of SmolLM2 1.5x faster here (5.7 to 46 KB measured alike).
 PREFETCH_BYTES = 8192
-
-_i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_f16, _f32 = ir.HalfType(), ir.FloatType()
-_v8i8, _v8i16, _v8i32, _v8f16, _v8f32 = (ir.VectorType(t, GROUP) for t in (_i8, _i16, _i32, _f16, _f32))
-
-
-def _int(value: int) -> ir.Constant:
-    return ir.Constant(_i64, value)
-
-
-def _vector(value: float | int, vtype: ir.VectorType = _v8f32) -> ir.Constant:
-    return ir.Constant(vtype, [value] * vtype.count)
-
-
-def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_v8f32, [_v8f32] * 3), "llvm.fma.v8f32")
-    return builder.call(fn, [a, b, c])
-
-
-def _splat(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
-    one = builder.insert_element(ir.Constant(_v8f32, None), value, ir.Constant(_i32, 0))
-    return builder.shuffle_vector(one, one, ir.Constant(_v8i32, None))
-
-
-def _load(builder: ir.IRBuilder, base: ir.Value, offset: int, vtype: ir.Type) -> ir.Value:
-    return builder.load(builder.bitcast(builder.gep(base, [_int(offset)]), vtype.as_pointer()), align=1)
-
 
 def _halves_to_floats(builder: ir.IRBuilder, halves: ir.Value) -> ir.Value:
     """<8 x float> of eight f16 bit patterns (<8 x i16>) in integer ops every target has: the exponent
     and mantissa moved into float32 position and scaled by 2^112 (exact for normals and subnormals),
     infinities and NaNs rebuilt, the sign put back."""
-    bits = builder.zext(halves, _v8i32)
-    magnitude = builder.shl(builder.and_(bits, _vector(0x7FFF, _v8i32)), _vector(13, _v8i32))
-    finite = builder.fmul(builder.bitcast(magnitude, _v8f32), _vector(2.0 ** 112))
-    special = builder.or_(builder.shl(builder.and_(bits, _vector(0x3FF, _v8i32)), _vector(13, _v8i32)),
-                          _vector(0x7F800000, _v8i32))
-    is_special = builder.icmp_unsigned("==", builder.and_(bits, _vector(0x7C00, _v8i32)), _vector(0x7C00, _v8i32))
-    value = builder.select(is_special, special, builder.bitcast(finite, _v8i32))
-    sign = builder.shl(builder.and_(bits, _vector(0x8000, _v8i32)), _vector(16, _v8i32))
-    return builder.bitcast(builder.or_(value, sign), _v8f32)
+    bits = builder.zext(halves, v8i32)
+    magnitude = builder.shl(builder.and_(bits, vector(0x7FFF, v8i32)), vector(13, v8i32))
+    finite = builder.fmul(builder.bitcast(magnitude, v8f32), vector(2.0 ** 112))
+    special = builder.or_(builder.shl(builder.and_(bits, vector(0x3FF, v8i32)), vector(13, v8i32)),
+                          vector(0x7F800000, v8i32))
+    is_special = builder.icmp_unsigned("==", builder.and_(bits, vector(0x7C00, v8i32)), vector(0x7C00, v8i32))
+    value = builder.select(is_special, special, builder.bitcast(finite, v8i32))
+    sign = builder.shl(builder.and_(bits, vector(0x8000, v8i32)), vector(16, v8i32))
+    return builder.bitcast(builder.or_(value, sign), v8f32)
 
 
 def _scales(builder: ir.IRBuilder, at: ir.Value) -> ir.Value:
     """The group's eight f16 scales (or mins) at byte pointer ``at`` as <8 x float>."""
     if AVX2:
-        return builder.fpext(_load(builder, at, 0, _v8f16), _v8f32)
-    return _halves_to_floats(builder, _load(builder, at, 0, _v8i16))
+        return builder.fpext(load(builder, at, 0, v8f16), v8f32)
+    return _halves_to_floats(builder, load(builder, at, 0, v8i16))
 
 
 def _quants(builder: ir.IRBuilder, kind: int, quants: ir.Value) -> Iterator[tuple[int, ir.Value]]:
@@ -114,37 +108,16 @@ def _quants(builder: ir.IRBuilder, kind: int, quants: ir.Value) -> Iterator[tupl
     order, so that the caller consumes each vector as it is made (fewer live registers)."""
     if kind == Q8_0:
         for i in range(BLOCK):
-            yield i, builder.sitofp(builder.sext(_load(builder, quants, GROUP * i, _v8i8), _v8i32), _v8f32)
+            yield i, builder.sitofp(builder.sext(load(builder, quants, GROUP * i, v8i8), v8i32), v8f32)
         return
     for j in range(BLOCK // 2):
-        byte = builder.zext(_load(builder, quants, GROUP * j, _v8i8), _v8i32)
-        yield j, builder.sitofp(builder.and_(byte, _vector(15, _v8i32)), _v8f32)
-        yield j + BLOCK // 2, builder.sitofp(builder.lshr(byte, _vector(4, _v8i32)), _v8f32)
+        byte = builder.zext(load(builder, quants, GROUP * j, v8i8), v8i32)
+        yield j, builder.sitofp(builder.and_(byte, vector(15, v8i32)), v8f32)
+        yield j + BLOCK // 2, builder.sitofp(builder.lshr(byte, vector(4, v8i32)), v8f32)
 
 
-def _prefetch(builder: ir.IRBuilder, at: ir.Value) -> None:
-    """Prefetch the cache line at ``at`` (a hint: no fault past the end of the array)."""
-    signature = ir.FunctionType(ir.VoidType(), [_i8.as_pointer(), _i32, _i32, _i32])
-    fn = cgutils.get_or_insert_function(builder.module, signature, "llvm.prefetch.p0i8")
-    builder.call(fn, [at, ir.Constant(_i32, 0), ir.Constant(_i32, 3), ir.Constant(_i32, 1)])  # read, keep, data
 
 
-def _tree_sum(builder: ir.IRBuilder, values: list[ir.Value]) -> ir.Value:
-    while len(values) > 1:
-        values = [builder.fadd(*values[i:i + 2]) if i + 1 < len(values) else values[i]
-                  for i in range(0, len(values), 2)]
-    return values[0]
-
-
-def _row(builder: ir.IRBuilder, array, index: ir.Value, etype: ir.Type) -> ir.Value:
-    """Pointer to row ``index`` of a 2-D numba array, as ``etype*``."""
-    start = builder.gep(builder.bitcast(array.data, _i8.as_pointer()),
-                        [builder.mul(index, builder.extract_value(array.strides, 0))])
-    return builder.bitcast(start, etype.as_pointer())
-
-
-def _clamp(builder: ir.IRBuilder, value: ir.Value, last: ir.Value) -> ir.Value:
-    return builder.select(builder.icmp_signed("<", value, last), value, last)
 
 
 def _make_tile(kind: int, n_groups: int, n_tokens: int, n_chains: int):
@@ -166,68 +139,68 @@ def _make_tile(kind: int, n_groups: int, n_tokens: int, n_chains: int):
                                        for i in (0, 3, 4, 6))
             first_group, last_group, first_token = (context.cast(builder, args[i], signature.args[i], types.intp)
                                                     for i in (1, 2, 5))
-            last_token = builder.sub(builder.extract_value(x_a.shape, 0), _int(1))
-            groups = [_clamp(builder, builder.add(first_group, _int(k)), last_group) for k in range(n_groups)]
-            tokens = [_clamp(builder, builder.add(first_token, _int(c)), last_token) for c in range(n_tokens)]
-            group_rows = [builder.mul(group, _int(GROUP)) for group in groups]
-            weights = [_row(builder, w_a, r, _i8) for r in group_rows]
-            x_rows = [_row(builder, x_a, c, _f32) for c in tokens]
-            n_blocks = builder.lshr(builder.extract_value(x_a.shape, 1), _int(5))
-            zero = ir.Constant(_v8f32, None)
+            last_token = builder.sub(builder.extract_value(x_a.shape, 0), integer(1))
+            groups = [clamp(builder, builder.add(first_group, integer(k)), last_group) for k in range(n_groups)]
+            tokens = [clamp(builder, builder.add(first_token, integer(c)), last_token) for c in range(n_tokens)]
+            group_rows = [builder.mul(group, integer(GROUP)) for group in groups]
+            weights = [row_pointer(builder, w_a, r, i8) for r in group_rows]
+            x_rows = [row_pointer(builder, x_a, c, f32) for c in tokens]
+            n_blocks = builder.lshr(builder.extract_value(x_a.shape, 1), integer(5))
+            zero = ir.Constant(v8f32, None)
             accs = [[[cgutils.alloca_once_value(builder, zero) for _ in range(1 if one_token else n_chains)]
                      for _ in tokens] for _ in groups]
             offsets = [cgutils.alloca_once_value(builder, zero) for _ in groups]
 
             with cgutils.for_range(builder, n_blocks) as loop:
                 b = loop.index
-                first = builder.mul(b, _int(BLOCK))
+                first = builder.mul(b, integer(BLOCK))
                 broadcasts = {}
 
                 def x_at(c: int, i: int) -> ir.Value:
                     """x[token c, element i of block b] in all lanes, loaded where first used."""
                     if (c, i) not in broadcasts:
-                        value = builder.load(builder.gep(x_rows[c], [builder.add(first, _int(i))]))
-                        broadcasts[c, i] = _splat(builder, value)
+                        value = builder.load(builder.gep(x_rows[c], [builder.add(first, integer(i))]))
+                        broadcasts[c, i] = splat(builder, value)
                     return broadcasts[c, i]
 
-                blocks = [builder.gep(w_k, [builder.mul(b, _int(group_block))]) for w_k in weights]
+                blocks = [builder.gep(w_k, [builder.mul(b, integer(group_block))]) for w_k in weights]
                 for block in blocks:
                     _prefetch_ahead(builder, block, group_block)
                 for k, block in enumerate(blocks):
                     d = _scales(builder, block)
-                    m = _scales(builder, builder.gep(block, [_int(2 * GROUP)])) if kind == Q4_1 else None
-                    quants = _quants(builder, kind, builder.gep(block, [_int(GROUP * header_bytes)]))
+                    m = _scales(builder, builder.gep(block, [integer(2 * GROUP)])) if kind == Q4_1 else None
+                    quants = _quants(builder, kind, builder.gep(block, [integer(GROUP * header_bytes)]))
                     if one_token:  # acc += d * sum_i q_i x_i, offset += (m or d) * block sum
                         partials = [None] * n_chains
                         for n, (i, q) in enumerate(quants):
                             j = n % n_chains
                             partials[j] = (builder.fmul(q, x_at(0, i)) if partials[j] is None
-                                           else _fma(builder, q, x_at(0, i), partials[j]))
+                                           else fma(builder, q, x_at(0, i), partials[j]))
                         acc = accs[k][0][0]
-                        builder.store(_fma(builder, d, _tree_sum(builder, partials), builder.load(acc)), acc)
+                        builder.store(fma(builder, d, tree_sum(builder, partials), builder.load(acc)), acc)
                         if kind != Q8_0:
-                            block_sum = builder.load(builder.gep(_row(builder, sums_a, tokens[0], _f32), [b]))
-                            builder.store(_fma(builder, d if m is None else m, _splat(builder, block_sum),
+                            block_sum = builder.load(builder.gep(row_pointer(builder, sums_a, tokens[0], f32), [b]))
+                            builder.store(fma(builder, d if m is None else m, splat(builder, block_sum),
                                                builder.load(offsets[k])), offsets[k])
                     else:  # acc_c += (d * q_i + m) x_ci
                         if kind == Q4_0:
-                            m = builder.fmul(d, _vector(-8.0))
+                            m = builder.fmul(d, vector(-8.0))
                         values = [[builder.load(a) for a in accs[k][c]] for c in range(n_tokens)]
                         for n, (i, q) in enumerate(quants):
-                            weight = builder.fmul(q, d) if m is None else _fma(builder, q, d, m)
+                            weight = builder.fmul(q, d) if m is None else fma(builder, q, d, m)
                             for c in range(n_tokens):
-                                values[c][n % n_chains] = _fma(builder, weight, x_at(c, i), values[c][n % n_chains])
+                                values[c][n % n_chains] = fma(builder, weight, x_at(c, i), values[c][n % n_chains])
                         for c in range(n_tokens):
                             for a, v in zip(accs[k][c], values[c]):
                                 builder.store(v, a)
 
             for k in range(n_groups):
                 for c in range(n_tokens):
-                    total = _tree_sum(builder, [builder.load(a) for a in accs[k][c]])
+                    total = tree_sum(builder, [builder.load(a) for a in accs[k][c]])
                     if one_token and kind != Q8_0:
                         offset = builder.load(offsets[k])
-                        total = builder.fadd(total, offset if kind == Q4_1 else builder.fmul(offset, _vector(-8.0)))
-                    _store(builder, out_a, tokens[c], group_rows[k], total)
+                        total = builder.fadd(total, offset if kind == Q4_1 else builder.fmul(offset, vector(-8.0)))
+                    store(builder, out_a, tokens[c], group_rows[k], total)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -251,21 +224,21 @@ def _make_unpack(kind: int, n_groups: int):
         def codegen(context, builder, signature, args):
             w_a, panel_a = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 3))
             first_group, last_group = (context.cast(builder, args[i], signature.args[i], types.intp) for i in (1, 2))
-            weights = [_row(builder, w_a, builder.mul(_clamp(builder, builder.add(first_group, _int(k)), last_group),
-                                                      _int(GROUP)), _i8) for k in range(n_groups)]
-            n_blocks = builder.lshr(builder.extract_value(panel_a.shape, 0), _int(5))
+            groups = [clamp(builder, builder.add(first_group, integer(k)), last_group) for k in range(n_groups)]
+            weights = [row_pointer(builder, w_a, builder.mul(group, integer(GROUP)), i8) for group in groups]
+            n_blocks = builder.lshr(builder.extract_value(panel_a.shape, 0), integer(5))
             with cgutils.for_range(builder, n_blocks) as loop:
                 b = loop.index
                 for k, w_k in enumerate(weights):
-                    block = builder.gep(w_k, [builder.mul(b, _int(group_block))])
+                    block = builder.gep(w_k, [builder.mul(b, integer(group_block))])
                     _prefetch_ahead(builder, block, group_block)
                     d = _scales(builder, block)
-                    m = (_scales(builder, builder.gep(block, [_int(2 * GROUP)])) if kind == Q4_1
-                         else builder.fmul(d, _vector(-8.0)) if kind == Q4_0 else None)
-                    for i, q in _quants(builder, kind, builder.gep(block, [_int(GROUP * header_bytes)])):
-                        value = builder.fmul(q, d) if m is None else _fma(builder, q, d, m)
-                        _store(builder, panel_a, builder.add(builder.mul(b, _int(BLOCK)), _int(i)), _int(GROUP * k),
-                               value)
+                    m = (_scales(builder, builder.gep(block, [integer(2 * GROUP)])) if kind == Q4_1
+                         else builder.fmul(d, vector(-8.0)) if kind == Q4_0 else None)
+                    for i, q in _quants(builder, kind, builder.gep(block, [integer(GROUP * header_bytes)])):
+                        value = builder.fmul(q, d) if m is None else fma(builder, q, d, m)
+                        at = builder.add(builder.mul(b, integer(BLOCK)), integer(i))
+                        store(builder, panel_a, at, integer(GROUP * k), value)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -289,24 +262,24 @@ def _make_panel_tile(n_groups: int, n_tokens: int):
             panel_a, x_a, out_a = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 5))
             first_token, first_group, last_group = (context.cast(builder, args[i], signature.args[i], types.intp)
                                                     for i in (2, 3, 4))
-            last_token = builder.sub(builder.extract_value(x_a.shape, 0), _int(1))
-            tokens = [_clamp(builder, builder.add(first_token, _int(c)), last_token) for c in range(n_tokens)]
-            group_rows = [builder.mul(_clamp(builder, builder.add(first_group, _int(k)), last_group), _int(GROUP))
+            last_token = builder.sub(builder.extract_value(x_a.shape, 0), integer(1))
+            tokens = [clamp(builder, builder.add(first_token, integer(c)), last_token) for c in range(n_tokens)]
+            group_rows = [builder.mul(clamp(builder, builder.add(first_group, integer(k)), last_group), integer(GROUP))
                           for k in range(n_groups)]
-            x_rows = [_row(builder, x_a, c, _f32) for c in tokens]
-            accs = [[cgutils.alloca_once_value(builder, ir.Constant(_v8f32, None)) for _ in group_rows]
+            x_rows = [row_pointer(builder, x_a, c, f32) for c in tokens]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(v8f32, None)) for _ in group_rows]
                     for _ in tokens]
             with cgutils.for_range(builder, builder.extract_value(x_a.shape, 1)) as loop:
                 i = loop.index
-                vectors = [_load(builder, _row(builder, panel_a, i, _i8), 4 * GROUP * k, _v8f32)
+                vectors = [load(builder, row_pointer(builder, panel_a, i, i8), 4 * GROUP * k, v8f32)
                            for k in range(n_groups)]
                 for c in range(n_tokens):
-                    x_c = _splat(builder, builder.load(builder.gep(x_rows[c], [i])))
+                    x_c = splat(builder, builder.load(builder.gep(x_rows[c], [i])))
                     for k in range(n_groups):
-                        builder.store(_fma(builder, vectors[k], x_c, builder.load(accs[c][k])), accs[c][k])
+                        builder.store(fma(builder, vectors[k], x_c, builder.load(accs[c][k])), accs[c][k])
             for c in range(n_tokens):
                 for k in range(n_groups):
-                    _store(builder, out_a, tokens[c], group_rows[k], builder.load(accs[c][k]))
+                    store(builder, out_a, tokens[c], group_rows[k], builder.load(accs[c][k]))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -316,13 +289,8 @@ def _make_panel_tile(n_groups: int, n_tokens: int):
 
 def _prefetch_ahead(builder: ir.IRBuilder, block: ir.Value, group_block: int) -> None:
     for line in range(0, group_block, 64):
-        _prefetch(builder, builder.gep(block, [_int(PREFETCH_BYTES + line)]))
+        prefetch(builder, builder.gep(block, [integer(PREFETCH_BYTES + line)]))
 
-
-def _store(builder: ir.IRBuilder, array, row: ir.Value, column: ir.Value, value: ir.Value) -> None:
-    """Store <8 x float> ``value`` at [row, column .. column + 7] of a 2-D float32 numba array."""
-    at = builder.gep(_row(builder, array, row, _f32), [column])
-    builder.store(value, builder.bitcast(at, _v8f32.as_pointer()), align=4)
 
 
 # Tile shapes (groups, tokens, partial chains), the fastest measured on Zen 3: one token in two groups for
