@@ -159,18 +159,25 @@ def test_rope_rotates_each_head_by_its_tokens_position(jit, attrs):
     np.testing.assert_allclose(mine[0], reference[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("window", [0, 3])
-def test_attention_mixed_prefill_and_decode_with_gqa(jit, window):
-    """Step 1 prefills A (slot 2, 6 rows) and B (slot 0, 3 rows); step 2 decodes A and prefills a
-    second chunk of B: every row sees only its own sequence's cached positions (in its window)."""
-    n_heads, n_kv, head_dim = 4, 2, 16
+@pytest.mark.parametrize(("head_dim", "n_heads", "n_kv", "window", "lengths"), [
+    (16, 4, 2, 0, (6, 3, 4)), (16, 4, 2, 3, (6, 3, 4)),
+    # the vector kernels: whole blocks of eight keys and a remainder, head dims of 64 (eight vectors), 80
+    # (eight and two), 12 (one, and four dims left over) and 4 (none), a window starting mid-block
+    (64, 6, 2, 0, (30, 9, 30)), (80, 3, 3, 0, (30, 9, 30)), (12, 4, 1, 0, (30, 9, 30)), (4, 2, 2, 0, (30, 9, 30)),
+    (64, 4, 2, 21, (30, 9, 30))])
+def test_attention_mixed_prefill_and_decode_with_gqa(jit, head_dim, n_heads, n_kv, window, lengths):
+    """Step 1 prefills A (slot 2) and B (slot 0); step 2 decodes A and prefills a second chunk of B:
+    every row sees only its own sequence's cached positions (in its window)."""
+    a, b, c = lengths
     node = ir.Node("attention", ("q", "k", "v"), "o", (), {"n_heads": n_heads, "n_kv_heads": n_kv,
                                                           "head_dim": head_dim, "scale": 0.25, "window": window})
-    steps = [make_step([(2, [1] * 6, 0), (0, [1] * 3, 0)]), make_step([(2, [1], 6), (0, [1] * 4, 3)])]
+    steps = [make_step([(2, [1] * a, 0), (0, [1] * b, 0)]), make_step([(2, [1], a), (0, [1] * c, b)])]
     inputs = [[RNG.standard_normal((s.n_tokens, width)).astype(np.float32)
                for width in (n_heads * head_dim, n_kv * head_dim, n_kv * head_dim)] for s in steps]
+    inputs[1][0][0, 1] = np.nan  # A's decode row, head 0: its outputs are NaN, as the interpreter's are
     for mine, reference in on_both(jit, [node], inputs, steps):
         np.testing.assert_allclose(mine[0], reference[0], rtol=1e-5, atol=1e-6)
+    assert np.isnan(mine[0][0, :head_dim]).all() and not np.isnan(mine[0][1:]).any()
 
 
 def test_steps_outside_the_kv_cache_are_refused_not_written(jit):

@@ -2,7 +2,7 @@
 
 numba keys a function's cached machine code by its own file only (a hash of it, or its time stamp in
 older releases), but compiles every @njit function it calls into the caller's code: ``execute`` in
-program.py holds the kernels of quant.py, kernels.py and atomics.py, and a generated elementwise
+program.py holds the kernels of the other files (quant.py, attention.py...), and a generated elementwise
 function holds kernels.expf. Edit one of those files and the callers' cached code would go on running the
 old kernels, on data laid out the new way. So every function cached from this package's directory, or from
 the directory of generated sources, is stamped with its own file and every source file of this package.

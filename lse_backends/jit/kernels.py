@@ -4,8 +4,8 @@ Every kernel writes into an output array the caller preallocated, takes only arr
 runs on the calling thread over the range of rows (or items) it is given: a program (program.py) hands
 the ranges to its threads. Kernels write arrays element by element, never as array assignments or
 in-place array operators: for those numba compiles a shape-checked raise with its message formatting,
-8 s of a cold start here. Attention and the float32 linear let LLVM reassociate their dot products so
-they vectorize.
+8 s of a cold start here. The float32 linear lets LLVM reassociate its dot products so they vectorize.
+Attention has a file of its own (attention.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 # reassociation lets LLVM vectorize dot products; no nnan/ninf, so infinities and NaNs stay IEEE
-_ATTENTION_MATH = {"reassoc", "contract", "nsz", "arcp"}
+DOT_MATH = {"reassoc", "contract", "nsz", "arcp"}
 
 
 @intrinsic
@@ -93,76 +93,10 @@ def rope(x, positions, cos_table, sin_table, head_dim, out):
                 out[t, i] = x[t, i]
 
 
-@njit(cache=True)
-def store_kv(k, v, k_cache, v_cache, positions, row_slot, t0, t1):
-    """Write rows t0 .. t1 - 1 of the step's k and v into the caches [slots, n_kv, kv_len, head_dim] at
-    (row_slot[t], positions[t])."""
-    n_kv, head_dim = k_cache.shape[1], k_cache.shape[3]
-    for t in range(t0, t1):
-        for g in range(n_kv):
-            for d in range(head_dim):
-                k_cache[row_slot[t], g, positions[t], d] = k[t, g * head_dim + d]
-                v_cache[row_slot[t], g, positions[t], d] = v[t, g * head_dim + d]
-
-
-@njit(cache=True)
-def attention(q, k_cache, v_cache, positions, row_slot, n_heads, scale, window, out, i0, i1):
-    """Items i0 .. i1 - 1 of a step's n_rows x n_kv (query row, kv head) pairs: each query row attends to
-    its sequence's cached positions [max(0, p - window + 1), p] (window 0: from 0); query head h reads
-    kv head h // (n_heads // n_kv). Head-major caches keep a kv head's keys contiguous, so the dot
-    products over head_dim vectorize."""
-    n_kv, n_rows = k_cache.shape[1], q.shape[0]
-    for item in range(i0, i1):
-        # rows zigzag (0, n-1, 1, n-2, ...): a prefill row's work grows with its position, so each
-        # range of items holds short and long rows alike
-        r, g = item // n_kv, item % n_kv
-        t = r // 2 if r % 2 == 0 else n_rows - 1 - r // 2
-        p = positions[t]
-        first = max(0, p - window + 1) if window > 0 else 0
-        _attend(q, k_cache[row_slot[t], g], v_cache[row_slot[t], g], first, p + 1, t, g, n_heads // n_kv,
-                scale, out)
-
-
-@njit(cache=True, fastmath=_ATTENTION_MATH)
-def _attend(q, keys, values, first, end, t, g, group, scale, out):
-    """Query row t's heads of kv head g (a group of them) over keys and values [kv_len, head_dim], rows
-    first .. end - 1: each key and value row is loaded once for the whole group."""
-    head_dim, n = keys.shape[1], end - first
-    scaled_q = np.empty((group, head_dim), np.float32)
-    for hh in range(group):
-        for d in range(head_dim):
-            scaled_q[hh, d] = q[t, (g * group + hh) * head_dim + d] * scale
-    scores = np.empty((group, n), np.float32)
-    for j in range(n):
-        for hh in range(group):
-            s = np.float32(0.0)
-            for d in range(head_dim):
-                s += scaled_q[hh, d] * keys[first + j, d]
-            scores[hh, j] = s
-    for hh in range(group):
-        top = scores[hh].max()
-        total = np.float32(0.0)
-        for j in range(n):
-            e = expf(scores[hh, j] - top)
-            scores[hh, j] = e
-            total += e
-        for j in range(n):  # element by element (see the module doc)
-            scores[hh, j] /= total
-    acc = np.zeros((group, head_dim), np.float32)
-    for j in range(n):
-        for hh in range(group):
-            w = scores[hh, j]
-            for d in range(head_dim):
-                acc[hh, d] += w * values[first + j, d]
-    for hh in range(group):
-        for d in range(head_dim):
-            out[t, (g * group + hh) * head_dim + d] = acc[hh, d]
-
-
 ROW_TILE, TOKEN_TILE = 16, 8  # a 16-row weight tile and 8 token rows stay in L1/L2 while they meet
 
 
-@njit(cache=True, fastmath=_ATTENTION_MATH)
+@njit(cache=True, fastmath=DOT_MATH)
 def linear_f32(x, weight, out, r0, r1):
     """Rows r0 .. r1 - 1 of out = x @ weight.T for float32 weights: tiles of weight rows, each read from
     memory once per step and met by every token in tiles of a few rows (GEMM-shaped for prefill)."""

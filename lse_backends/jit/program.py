@@ -24,7 +24,7 @@ from numba.core.errors import NumbaPendingDeprecationWarning
 
 from lse_core.graph.ir import Step
 
-from . import atomics, kernels, quant
+from . import atomics, attention, kernels, quant
 
 # instruction ops
 EMBED, EMBED_Q, RMS_NORM, LINEAR, LINEAR_Q, ROPE, ATTENTION, FUSED, LAST_ROWS = range(9)
@@ -148,12 +148,12 @@ def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, cac
                 for r in range(r0, r1):
                     y[t, r] += bias[r]
     elif op == ATTENTION and phase == 0:
-        kernels.store_kv(acts[c[IN + 1]], acts[c[IN + 2]], caches[c[ARG]], caches[c[ARG + 1]], positions,
-                         row_slot, t0, t1)
+        attention.store_kv(acts[c[IN + 1]], acts[c[IN + 2]], caches[c[ARG]], caches[c[ARG + 1]], positions,
+                           row_slot, t0, t1)
     elif op == ATTENTION:
         i0, i1 = _span(n * caches[c[ARG]].shape[1], n_items, item)
-        kernels.attention(acts[c[IN]][:n], caches[c[ARG]], caches[c[ARG + 1]], positions, row_slot, c[ARG + 2],
-                          scalar, c[ARG + 3], acts[out][:n], i0, i1)
+        attention.attention(acts[c[IN]][:n], caches[c[ARG]], caches[c[ARG + 1]], positions, row_slot, c[ARG + 2],
+                            scalar, c[ARG + 3], acts[out][:n], i0, i1)
     elif op == FUSED:
         s0, s1 = _span(n * acts[c[IN]].shape[1], n_items, item)
         empty = np.empty(0, np.float32)
