@@ -29,7 +29,10 @@ from . import atomics, attention, kernels, quant
 # instruction ops
 EMBED, EMBED_Q, RMS_NORM, LINEAR, LINEAR_Q, ROPE, ATTENTION, FUSED, LAST_ROWS = range(9)
 # instruction columns: the op, then output, input and resource/integer slots (-1 where unused)
-MAX_OUTPUTS, MAX_INPUTS, MAX_ARGS = 4, 6, 5
+MAX_OUTPUTS, MAX_INPUTS, MAX_ARGS = 4, 6, 7
+# A quantized linear's slots: outputs, one per weight (MAX_PARTS at most); args: the first weight, the
+# weights' kind, its bias (-1: none), then each further weight and its bias
+MAX_PARTS = 3
 OUT, IN, ARG = 1, 1 + MAX_OUTPUTS, 1 + MAX_OUTPUTS + MAX_INPUTS
 WIDTH = ARG + MAX_ARGS
 # Work items (besides the quantized linears', quant.ITEM_WORK): about 1-5 us of work each
@@ -90,13 +93,42 @@ def _span(total, parts, i):
     return total * i // parts, total * (i + 1) // parts
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _parts(c):
+    """The weights of quantized linear ``c``: one per output."""
+    parts = 1
+    while parts < MAX_PARTS and c[OUT + parts] >= 0:
+        parts += 1
+    return parts
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _weight_arg(part):
+    """The arg slot of a quantized linear's part'th weight: its bias is the slot after (after the kind, for
+    the first)."""
+    return ARG if part == 0 else ARG + 1 + 2 * part
+
+
+@njit(cache=True, nogil=True)
+def _add_bias(vecs, bias, y, r0, r1):
+    """y[:, r0:r1] += vecs[bias][r0:r1] (bias -1: none)."""
+    if bias >= 0:
+        for t in range(y.shape[0]):
+            for r in range(r0, r1):
+                y[t, r] += vecs[bias][r]
+
+
 @njit(cache=True, nogil=True)
 def _items(c, phase, n, acts, mats, qmats, caches, n_threads):
     """How many work items instruction ``c``'s phase splits into, for n rows (every thread computes the
     same): where there are several, a multiple of the threads, so that equal threads get equal shares."""
     op = c[0]
     if op == LINEAR_Q:
-        items, most = quant.linear_items(qmats[c[ARG]], acts[c[IN]][:n]), quant.linear_items_most(qmats[c[ARG]])
+        rows, most = 0, 0
+        for part in range(_parts(c)):
+            part_rows = qmats[c[_weight_arg(part)]].shape[0]
+            rows, most = rows + part_rows, most + quant.linear_items_most(part_rows)
+        items = quant.linear_items(rows, acts[c[IN]][:n])
     elif op == LINEAR:
         weight = mats[c[ARG]]
         most = (weight.shape[0] + kernels.ROW_TILE - 1) // kernels.ROW_TILE
@@ -133,20 +165,29 @@ def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, cac
     elif op == ROPE:
         kernels.rope(acts[c[IN]][t0:t1], positions[t0:t1], mats[c[ARG]], mats[c[ARG + 1]], c[ARG + 2],
                      acts[out][t0:t1])
-    elif op == LINEAR or op == LINEAR_Q:
+    elif op == LINEAR:
         x, y = acts[c[IN]][:n], acts[out][:n]
-        if op == LINEAR:
-            tile = kernels.ROW_TILE
-            r0, r1 = _span((y.shape[1] + tile - 1) // tile, n_items, item)
-            r0, r1 = r0 * tile, min(y.shape[1], r1 * tile)
-            kernels.linear_f32(x, mats[c[ARG]], y, r0, r1)
-        else:
-            r0, r1 = quant.linear_item(c[ARG + 1], qmats[c[ARG]], x, y, item, n_items, sums)
-        if c[ARG + 2] >= 0:
-            bias = vecs[c[ARG + 2]]
-            for t in range(n):
-                for r in range(r0, r1):
-                    y[t, r] += bias[r]
+        tile = kernels.ROW_TILE
+        r0, r1 = _span((y.shape[1] + tile - 1) // tile, n_items, item)
+        r0, r1 = r0 * tile, min(y.shape[1], r1 * tile)
+        kernels.linear_f32(x, mats[c[ARG]], y, r0, r1)
+        _add_bias(vecs, c[ARG + 2], y, r0, r1)
+    elif op == LINEAR_Q:  # the item's share of all its weights' pairs of row groups, in order
+        x = acts[c[IN]][:n]
+        total = 0
+        for part in range(_parts(c)):
+            total += quant.linear_items_most(qmats[c[_weight_arg(part)]].shape[0])
+        p0, p1 = _span(total, n_items, item)
+        first = 0  # the part's first pair
+        for part in range(_parts(c)):
+            weight = qmats[c[_weight_arg(part)]]
+            pairs = quant.linear_items_most(weight.shape[0])
+            if max(p0, first) < min(p1, first + pairs):
+                y = acts[c[OUT + part]][:n]
+                r0, r1 = quant.linear_pairs(c[ARG + 1], weight, x, y, max(p0, first) - first,
+                                            min(p1, first + pairs) - first, sums)
+                _add_bias(vecs, c[_weight_arg(part) + (2 if part == 0 else 1)], y, r0, r1)
+            first += pairs
     elif op == ATTENTION and phase == 0:
         attention.store_kv(acts[c[IN + 1]], acts[c[IN + 2]], caches[c[ARG]], caches[c[ARG + 1]], positions,
                            row_slot, t0, t1)
@@ -259,7 +300,7 @@ class Instruction:
     inputs: tuple[str, ...]
     args: tuple[Any, ...] = ()
     scalar: float = 0.0
-    width: int | None = None   # the outputs' width; None: the first input's
+    width: int | tuple[int, ...] | None = None  # the outputs' width (or each one's); None: the first input's
     vocab: int = 0             # embedding: ids must be below this (numba does no bounds checks)
     uses_cache: bool = False   # positions and slots must lie inside the KV cache
 
@@ -317,7 +358,7 @@ class Program:
         last_read = {self.slot[name]: len(self.instructions) for name in self.outputs}
         for k, ins in enumerate(self.instructions):
             w = ins.width if ins.width is not None else width[self.slot[ins.inputs[0]]]
-            width.update({self.slot[o]: w for o in ins.outputs})
+            width.update({self.slot[o]: w[j] if isinstance(w, tuple) else w for j, o in enumerate(ins.outputs)})
             last_read.update({self.slot[v]: max(k, last_read.get(self.slot[v], -1)) for v in ins.inputs})
         free: dict[int, list[np.ndarray]] = {}
         buffer: dict[int, np.ndarray] = {}
@@ -371,8 +412,25 @@ class Program:
 def link(programs: Sequence[Program], inputs: Sequence[str], outputs: Sequence[str]) -> Program:
     """One program running ``programs`` in order (their groups were consecutive on jit:0)."""
     first = programs[0]
-    return Program([i for p in programs for i in p.instructions], inputs, outputs, first.capacity,
+    return Program(_merge_linears([i for p in programs for i in p.instructions]), inputs, outputs, first.capacity,
                    first.kv_len, first.kv_slots)
+
+
+def _merge_linears(instructions: list[Instruction]) -> list[Instruction]:
+    """Consecutive quantized linears of one input and one weight type (q, k and v; gate and up) as one
+    instruction whose work items share out all their rows: one wait for the threads instead of several,
+    and a small product (k, v at one token) no longer runs on one thread while the others wait."""
+    merged: list[Instruction] = []
+    for ins in instructions:
+        last = merged[-1] if merged else None
+        if (last is None or not ins.op == last.op == LINEAR_Q or ins.inputs != last.inputs
+                or ins.args[1] != last.args[1] or len(last.outputs) == MAX_PARTS):
+            merged.append(ins)
+            continue
+        widths = last.width if isinstance(last.width, tuple) else (last.width,)
+        merged[-1] = Instruction(LINEAR_Q, last.outputs + ins.outputs, last.inputs,
+                                 last.args + (ins.args[0], ins.args[2]), width=widths + (ins.width,))
+    return merged
 
 
 def _typed(kind: str, items: Sequence[Any]) -> typed.List:

@@ -30,7 +30,8 @@ fresh NUMBA_CACHE_DIR when switching it.
 
 Drivers: a product splits into work items, each a range of row groups that every token tile passes over
 (the range's weights stay in cache while the tiles pass); the tiles prefetch the weight stream ahead.
-``linear_item`` runs one item (programs hand items to their threads), ``linear`` all of them.
+``linear_item`` runs one item (programs hand items to their threads; ``linear_pairs`` a range of row
+groups), ``linear`` all of them.
 """
 
 from __future__ import annotations
@@ -388,37 +389,44 @@ MAX_ITEMS = 64
 
 
 @njit(cache=True, nogil=True)
-def linear_items_most(blocks: np.ndarray) -> int:
-    """The most work items ``linear_item`` can split a product with this weight into: one per pair of row
-    groups."""
-    return max(1, (blocks.shape[0] // GROUP + 1) // 2)
+def linear_items_most(n_rows: int) -> int:
+    """The most work items a product with a weight of n_rows rows splits into: one per pair of row groups."""
+    return max(1, (n_rows // GROUP + 1) // 2)
 
 
 @njit(cache=True, nogil=True)
-def linear_items(blocks: np.ndarray, x: np.ndarray) -> int:
-    """How many work items ``linear`` splits x @ W.T into."""
-    work = x.shape[0] * blocks.shape[0] * (x.shape[1] // BLOCK)
-    return max(1, min(linear_items_most(blocks), MAX_ITEMS, work // ITEM_WORK))
+def linear_items(n_rows: int, x: np.ndarray) -> int:
+    """How many work items ``linear`` splits x @ W.T into, for n_rows rows of W (or of several weights that
+    x meets in one instruction, program.py)."""
+    work = x.shape[0] * n_rows * (x.shape[1] // BLOCK)
+    return max(1, min(linear_items_most(n_rows), MAX_ITEMS, work // ITEM_WORK))
 
 
 @njit(cache=True, nogil=True)
-def linear_item(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, item: int, n_items: int,
-                sums: np.ndarray) -> tuple[int, int]:
-    """Work item ``item`` of ``n_items`` of out = x @ W.T: its range of row groups, and in the last item
-    the rows % 8 kept as GGUF stored them (dequantized and dotted one by one). Returns the rows written.
-    ``sums``: what ``block_sums`` wrote for x."""
+def linear_pairs(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, p0: int, p1: int,
+                 sums: np.ndarray) -> tuple[int, int]:
+    """Pairs of row groups p0 .. p1 - 1 of out = x @ W.T (of ``linear_items_most`` pairs) and, in the range
+    that ends with the last pair, the rows % 8 kept as GGUF stored them (dequantized and dotted one by one).
+    Returns the rows written. ``sums``: what ``block_sums`` wrote for x."""
     n_rows = blocks.shape[0]
     full_groups = n_rows // GROUP
-    pairs = (full_groups + 1) // 2
-    g0, g1 = 2 * (pairs * item // n_items), min(full_groups, 2 * (pairs * (item + 1) // n_items))
+    g0, g1 = min(full_groups, 2 * p0), min(full_groups, 2 * p1)
     _groups(kind, blocks, x, out, g0, g1, sums)
-    if item < n_items - 1 or n_rows % GROUP == 0:
+    if p1 < linear_items_most(n_rows) or n_rows % GROUP == 0:
         return g0 * GROUP, g1 * GROUP
     weights = np.empty(x.shape[1], np.float32)
     for row in range(full_groups * GROUP, n_rows):
         _dequantize_row(kind, blocks, row, weights)
         _dot_rows(x, weights, out[:, row])
     return g0 * GROUP, n_rows
+
+
+@njit(cache=True, nogil=True)
+def linear_item(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, item: int, n_items: int,
+                sums: np.ndarray) -> tuple[int, int]:
+    """Work item ``item`` of ``n_items`` of out = x @ W.T (``linear_pairs`` of its share of the pairs)."""
+    pairs = linear_items_most(blocks.shape[0])
+    return linear_pairs(kind, blocks, x, out, pairs * item // n_items, pairs * (item + 1) // n_items, sums)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -429,7 +437,7 @@ def linear(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray) -> Non
     if (blocks.shape[1] != x.shape[1] // BLOCK * LAYOUT[kind][0] or x.shape[1] % BLOCK
             or out.shape != (x.shape[0], blocks.shape[0])):
         raise ValueError("linear: weight, activation and output shapes disagree")
-    n_items = linear_items(blocks, x)
+    n_items = linear_items(blocks.shape[0], x)
     sums = np.empty((2, x.shape[1] // BLOCK), np.float32)
     block_sums(kind, x, sums)
     if n_items == 1:  # the calling thread alone beats waking the others
