@@ -65,15 +65,30 @@ def embedding(table, tokens, scale, out):
 
 @njit(cache=True)
 def rms_norm(x, weight, group, eps, out):
-    """Each group of ``group`` columns: x / sqrt(mean(x^2) + eps) * weight (the mean in float64)."""
+    """Each group of ``group`` columns: x / sqrt(mean(x^2) + eps) * weight (the mean in float64). The
+    loops run on 1-D rows: over 2-D indexing LLVM vectorized neither, and a row took 10x as long."""
     for t in range(x.shape[0]):
         for g0 in range(0, x.shape[1], group):
-            total = 0.0
-            for j in range(group):
-                total += np.float64(x[t, g0 + j]) ** 2
-            inv = np.float32(1.0 / np.sqrt(np.float32(total / group) + eps))
-            for j in range(group):
-                out[t, g0 + j] = x[t, g0 + j] * inv * weight[j]
+            row = x[t, g0:g0 + group]
+            inv = np.float32(1.0 / np.sqrt(np.float32(_sum_of_squares(row) / group) + eps))
+            _scale(row, inv, weight, out[t, g0:g0 + group])
+
+
+@njit(cache=True, fastmath={"reassoc", "nsz"})
+def _sum_of_squares(row):
+    """The sum of row's squares in float64, reassociated so that it vectorizes (not one add's latency
+    after another)."""
+    total = 0.0
+    for j in range(row.shape[0]):
+        value = np.float64(row[j])
+        total += value * value
+    return total
+
+
+@njit(cache=True)
+def _scale(row, inv, weight, out):
+    for j in range(row.shape[0]):
+        out[j] = row[j] * inv * weight[j]
 
 
 @njit(cache=True)
