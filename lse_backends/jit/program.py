@@ -104,9 +104,25 @@ def _parts(c):
 
 @njit(cache=True, nogil=True, inline="always")
 def _weight_arg(part):
-    """The arg slot of a quantized linear's part'th weight: its bias is the slot after (after the kind, for
-    the first)."""
+    """The arg slot of a quantized linear's part'th weight."""
     return ARG if part == 0 else ARG + 1 + 2 * part
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _bias_arg(part):
+    """The arg slot of a quantized linear's part'th bias: after the kind for the first, else after its weight."""
+    return ARG + 2 if part == 0 else _weight_arg(part) + 1
+
+
+@njit(cache=True, nogil=True)
+def _linear_q_size(c, qmats):
+    """(rows, pairs of row groups) of quantized linear ``c``'s weights together: its items share out the
+    pairs, each weight's in turn."""
+    rows, pairs = 0, 0
+    for part in range(_parts(c)):
+        part_rows = qmats[c[_weight_arg(part)]].shape[0]
+        rows, pairs = rows + part_rows, pairs + quant.linear_items_most(part_rows)
+    return rows, pairs
 
 
 @njit(cache=True, nogil=True)
@@ -124,10 +140,7 @@ def _items(c, phase, n, acts, mats, qmats, caches, n_threads):
     same): where there are several, a multiple of the threads, so that equal threads get equal shares."""
     op = c[0]
     if op == LINEAR_Q:
-        rows, most = 0, 0
-        for part in range(_parts(c)):
-            part_rows = qmats[c[_weight_arg(part)]].shape[0]
-            rows, most = rows + part_rows, most + quant.linear_items_most(part_rows)
+        rows, most = _linear_q_size(c, qmats)
         items = quant.linear_items(rows, acts[c[IN]][:n])
     elif op == LINEAR:
         weight = mats[c[ARG]]
@@ -174,10 +187,7 @@ def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, cac
         _add_bias(vecs, c[ARG + 2], y, r0, r1)
     elif op == LINEAR_Q:  # the item's share of all its weights' pairs of row groups, in order
         x = acts[c[IN]][:n]
-        total = 0
-        for part in range(_parts(c)):
-            total += quant.linear_items_most(qmats[c[_weight_arg(part)]].shape[0])
-        p0, p1 = _span(total, n_items, item)
+        p0, p1 = _span(_linear_q_size(c, qmats)[1], n_items, item)
         first = 0  # the part's first pair
         for part in range(_parts(c)):
             weight = qmats[c[_weight_arg(part)]]
@@ -186,7 +196,7 @@ def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, cac
                 y = acts[c[OUT + part]][:n]
                 r0, r1 = quant.linear_pairs(c[ARG + 1], weight, x, y, max(p0, first) - first,
                                             min(p1, first + pairs) - first, sums)
-                _add_bias(vecs, c[_weight_arg(part) + (2 if part == 0 else 1)], y, r0, r1)
+                _add_bias(vecs, c[_bias_arg(part)], y, r0, r1)
             first += pairs
     elif op == ATTENTION and phase == 0:
         attention.store_kv(acts[c[IN + 1]], acts[c[IN + 2]], caches[c[ARG]], caches[c[ARG + 1]], positions,
