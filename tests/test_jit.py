@@ -18,6 +18,7 @@ import pytest
 from checkpoints import greedy_sampling, make_step, prompt_ids
 from gguf import GGMLQuantizationType, quants
 from numba import types
+from test_quant_kernels import seen_by_kernels
 
 from lse_backends.cpu import CPUDevice
 from lse_backends.jit import JitDevice, cache, codegen, lse_backend, program
@@ -95,14 +96,14 @@ def quantized(qtype: str, rows: int, cols: int) -> QuantTensor:
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("n_rows", [1, 5, 33])
 def test_quantized_linear_is_the_dequantized_weight_times_the_activations(jit, qtype, n_rows):
-    """The default: float32 activations against blocks decoded in registers, so the product is the
-    dequantized weight's up to float32 rounding."""
+    """Blocks decoded in registers against float32 activations, or (Q4 at one token) int8 ones, as
+    llama.cpp's: the product is the dequantized weight's times those activations up to float32 rounding."""
     weight = quantized(qtype, 37, 320)
     bias = RNG.standard_normal(37).astype(np.float32)
     x = RNG.standard_normal((n_rows, 320)).astype(np.float32)
     kernel = compile_group(jit, [ir.Node("linear", ("x",), "y", ("w", "b"))], {"w": weight, "b": bias})
     (out,) = kernel([x], make_step([(0, list(range(n_rows)), 0)]))
-    expected = x.astype(np.float64) @ weight.dequantize().astype(np.float64).T + bias
+    expected = seen_by_kernels(qtype, x).astype(np.float64) @ weight.dequantize().astype(np.float64).T + bias
     assert out.dtype == np.float32 and out.shape == (n_rows, 37)
     np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
@@ -126,7 +127,8 @@ def test_linked_linears_of_one_input_share_their_work_items(jit, n_rows):
     x = RNG.standard_normal((n_rows, 320)).astype(np.float32)
     outputs = linked([x], make_step([(0, list(range(n_rows)), 0)]))
     for j, out in enumerate(outputs):
-        expected = x.astype(np.float64) @ weights[f"w{j}"].dequantize().astype(np.float64).T + weights.get(f"b{j}", 0)
+        seen = seen_by_kernels(weights[f"w{j}"].qtype, x).astype(np.float64)
+        expected = seen @ weights[f"w{j}"].dequantize().astype(np.float64).T + weights.get(f"b{j}", 0)
         np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
@@ -391,9 +393,10 @@ def default_model_path() -> Path:
 
 
 def test_default_model_answers_like_the_interpreter(jit):
-    """SmolLM2-135M Q4_1 with its Q8_0 tied embedding, the blocks read in place against float32
-    activations: logits equal the interpreter's (dequantized fp32) within 1e-4 of scale, so even this
-    prompt's near-tied first token (a 0.08 margin that int8 activations flip) comes out the same."""
+    """SmolLM2-135M Q4_1 with its Q8_0 tied embedding, the blocks read in place: the prefill's float32
+    activations give the interpreter's (dequantized fp32) logits within 1e-4 of scale, so even this
+    prompt's near-tied first token (a 0.08 margin that int8 activations flip) comes out the same; the
+    decode steps' int8 activations (Q4 at one token) within 5e-2 (2.3e-2 measured), the same ids."""
     from lse_core.model.gguf import load_gguf
 
     model = load_gguf(str(default_model_path()))
@@ -407,7 +410,8 @@ def test_default_model_answers_like_the_interpreter(jit):
     reference = greedy(cpu_plan(model, ctx), prompt, 8)
     assert model.tokenizer.decode(mine[0]).startswith("The capital of France is Paris")
     assert mine[0] == reference[0]
-    assert_close(mine[1], reference[1], 1e-4, "SmolLM2 Q4_1")
+    assert_close(mine[1][:1], reference[1][:1], 1e-4, "SmolLM2 Q4_1 prefill")
+    assert_close(mine[1][1:], reference[1][1:], 5e-2, "SmolLM2 Q4_1 decode")
     # the whole forward pass is one linked program; dead values hand their buffers on, so a 30-layer
     # prefill touches a few buffers per width, not one per value
     (forward,) = [s for s in plan.stages if len(s.placements) > 1]
@@ -424,6 +428,34 @@ def test_default_model_answers_like_the_interpreter(jit):
         finally:
             numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     np.testing.assert_array_equal(logits[1], logits[numba.config.NUMBA_NUM_THREADS])
+
+
+def test_default_model_decodes_the_interpreters_top_token_over_a_long_run(jit):
+    """int8 activations change the logits' low-order digits, so a near-tie can fall the other way and
+    the two greedy texts part. Fed the interpreter's own greedy tokens (teacher forcing), the jit
+    device's top token at each of 4 x 64 positions is the interpreter's at 95% of them at least
+    (98.8% over 6 x 96 measured; pairing each activation with its neighbour's nibble: 4 of 256)."""
+    from lse_core.model.gguf import load_gguf
+
+    model = load_gguf(str(default_model_path()))
+    ctx = CompileContext(1, 128, 32)
+    plans = {"jit": jit_plan(model, jit, ctx), "interpreter": cpu_plan(model, ctx)}
+    agree = total = 0
+    for question in ("Write a short poem about the sea.", "Explain photosynthesis to a child.",
+                     "List three uses of copper.", "How do I sort a list in Python?"):
+        prompt = model.tokenizer.encode(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n", False)
+        forced = greedy(plans["interpreter"], prompt, 64)[0]
+        tops = {}
+        for name, plan in plans.items():
+            out = plan.run(make_step([(0, prompt, 0)]))
+            tops[name] = [int(out.next_tokens[0])]
+            for position, token in enumerate(forced[:-1], start=len(prompt)):
+                tops[name].append(int(plan.run(make_step([(0, [token], position)])).next_tokens[0]))
+        assert tops["interpreter"] == forced
+        agree += sum(a == b for a, b in zip(tops["jit"], forced))
+        total += len(forced)
+    print(f"top-1 agreement {agree}/{total}")
+    assert agree >= 0.95 * total
 
 
 def test_cached_code_is_recompiled_when_any_source_of_the_package_changes(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
+import lse_backends.jit.int8 as int8
 import lse_backends.jit.quant as quant
 
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
@@ -35,6 +36,21 @@ def prepared(qtype: str, blocks: np.ndarray) -> tuple[int, np.ndarray]:
     kind, laid_out = quant.prepare(qtype, blocks)
     laid_out.flags.writeable = False
     return kind, laid_out
+
+
+def int8_activations(x: np.ndarray) -> np.ndarray:
+    """x as llama.cpp's Q8_1 would carry it: per block of 32, round(x * 127 / max|x|) (half to even) times
+    max|x| / 127, in float32 (numpy's own, not the kernels' code)."""
+    blocks = x.reshape(len(x), -1, 32)
+    top = np.abs(blocks).max(axis=2, keepdims=True)
+    inverse = np.divide(np.float32(127), top, out=np.zeros_like(top), where=top > 0)
+    return (np.round(blocks * inverse) * (top / np.float32(127))).reshape(x.shape)
+
+
+def seen_by_kernels(qtype: str, x: np.ndarray) -> np.ndarray:
+    """The activations a product is exact for: int8 ones for Q4 weights at one or two tokens (one-token
+    passes), float32 otherwise."""
+    return int8_activations(x) if qtype != "Q8_0" and len(x) <= quant.ONE_TOKEN_PASSES else x
 
 
 def assert_close_to_reference(out: np.ndarray, x: np.ndarray, dense: np.ndarray) -> None:
@@ -74,7 +90,7 @@ def test_linear_is_x_times_the_dequantized_weight(qtype, rows, n):
         x = RNG.standard_normal((tokens, n)).astype(np.float32)
         out = np.full((tokens, rows), np.nan, np.float32)  # an entry the kernels miss stays NaN
         quant.linear(kind, laid_out, x, out)
-        assert_close_to_reference(out, x, dense)
+        assert_close_to_reference(out, seen_by_kernels(qtype, x), dense)
 
 
 def test_linear_reads_activation_rows_through_their_stride():
@@ -85,6 +101,26 @@ def test_linear_reads_activation_rows_through_their_stride():
     quant.linear(*prepared("Q4_1", blocks), x[:3], out[:3])
     assert_close_to_reference(out[:3], x[:3], dense)
     assert np.isnan(out[3:]).all()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_int8_activations_keep_zero_blocks_exact_and_non_finite_ones_nan(qtype):
+    """One-token Q4 passes quantize each block of 32 activations on its own: an all-zero block adds
+    nothing, a block of one large value keeps the others' scale; a NaN or an infinity makes its token's
+    products NaN (not a wrong number), and the other token's stay right."""
+    blocks, dense = gguf_weight(qtype, 24, 128)
+    kind, laid_out = prepared(qtype, blocks)
+    x = RNG.standard_normal((2, 128)).astype(np.float32)
+    x[:, 32:64] = 0
+    x[:, 64] = 1e4
+    out = np.full((2, 24), np.nan, np.float32)
+    quant.linear(kind, laid_out, x, out)
+    assert_close_to_reference(out, int8_activations(x), dense)
+    for bad in (np.nan, np.inf, -np.inf):
+        x[0, 100] = bad
+        quant.linear(kind, laid_out, x, out)
+        assert np.isnan(out[0]).all()
+        assert_close_to_reference(out[1:], int8_activations(x[1:]), dense)
 
 
 def test_linear_rejects_mismatched_shapes():
@@ -121,7 +157,8 @@ def test_prepare_keeps_the_shape_and_the_bytes(qtype):
 
 def test_portable_ir_gives_the_same_floats(tmp_path):
     """LSE_JIT_PORTABLE=1 in a fresh numba cache: the f16 scales decoded with integer vector ops instead
-    of vcvtph2ps; every other operation is the same IR, so the results are bit for bit the same. The
+    of vcvtph2ps, the int8 pair products as plain multiplies and adds instead of pmaddubsw (exact either
+    way); every other operation is the same IR, so the results are bit for bit the same. The
     subprocess compiles the row-group driver only (every tile; linear adds no IR of its own)."""
     x = RNG.standard_normal((16, 96)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
@@ -131,12 +168,13 @@ def test_portable_ir_gives_the_same_floats(tmp_path):
         np.save(tmp_path / f"{qtype}.npy", laid_out)
         for tokens in (1, 3, 16):
             out = np.full((tokens, 40), np.nan, np.float32)
-            sums = np.empty((2, 3), np.float32)
-            quant.block_sums(kind, x[:tokens], sums)
-            quant._groups(kind, laid_out, x[:tokens], out, 0, 5, sums)
+            scratch = np.empty((2, int8.activation_width(96)), np.float32)
+            quant.quantize_activations(kind, x[:tokens], scratch)
+            quant._groups(kind, laid_out, x[:tokens], out, 0, 5, scratch)
             expected[qtype, tokens] = out
     script = (
         "import sys, numpy as np\n"
+        "import lse_backends.jit.int8 as int8\n"
         "import lse_backends.jit.quant as quant\n"
         "assert not quant.AVX2\n"
         "d = sys.argv[1]; x = np.load(d + '/x.npy')\n"
@@ -144,9 +182,9 @@ def test_portable_ir_gives_the_same_floats(tmp_path):
         "    for t in (1, 3, 16):\n"
         "        out = np.full((t, 40), np.nan, np.float32)\n"
         "        w = np.load(f'{d}/{q}.npy'); w.flags.writeable = False\n"
-        "        sums = np.empty((2, 3), np.float32)\n"
-        "        quant.block_sums(quant.KINDS[q], x[:t], sums)\n"
-        "        quant._groups(quant.KINDS[q], w, x[:t], out, 0, 5, sums)\n"
+        "        scratch = np.empty((2, int8.activation_width(96)), np.float32)\n"
+        "        quant.quantize_activations(quant.KINDS[q], x[:t], scratch)\n"
+        "        quant._groups(quant.KINDS[q], w, x[:t], out, 0, 5, scratch)\n"
         "        np.save(f'{d}/{q}.{t}.npy', out)\n"
     )
     env = dict(os.environ, LSE_JIT_PORTABLE="1", NUMBA_CACHE_DIR=str(tmp_path / "numba"),

@@ -24,7 +24,7 @@ from numba.core.errors import NumbaPendingDeprecationWarning
 
 from lse_core.graph.ir import Step
 
-from . import atomics, attention, kernels, quant
+from . import atomics, attention, int8, kernels, quant
 
 # instruction ops
 EMBED, EMBED_Q, RMS_NORM, LINEAR, LINEAR_Q, ROPE, ATTENTION, FUSED, LAST_ROWS = range(9)
@@ -165,7 +165,7 @@ def _items(c, phase, n, acts, mats, qmats, caches, n_threads):
 
 @njit(cache=True, nogil=True)
 def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, caches, fns, tokens, positions,
-         row_slot, sample_rows, sums):
+         row_slot, sample_rows, scratch):
     """Work item ``item`` of ``n_items`` of instruction ``c``'s phase, on n rows."""
     op, out = c[0], c[OUT]
     t0, t1 = _span(n, n_items, item)  # the item's rows, for the row-wise ops
@@ -195,7 +195,7 @@ def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, cac
             if max(p0, first) < min(p1, first + pairs):
                 y = acts[c[OUT + part]][:n]
                 r0, r1 = quant.linear_pairs(c[ARG + 1], weight, x, y, max(p0, first) - first,
-                                            min(p1, first + pairs) - first, sums)
+                                            min(p1, first + pairs) - first, scratch)
                 _add_bias(vecs, c[_bias_arg(part)], y, r0, r1)
             first += pairs
     elif op == ATTENTION and phase == 0:
@@ -231,8 +231,8 @@ def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tok
     widest = 0
     for a in acts:
         widest = max(widest, a.shape[1])
-    sums = np.empty((2, widest // quant.BLOCK), np.float32)  # this thread's block sums for quantized linears
-    sums_for = -1  # the instruction they are for
+    scratch = np.empty((2, int8.activation_width(widest)), np.float32)  # this thread's int8 activations
+    quantized_for = -1  # the instruction they are for
     before, before_items = -1, 0  # the task before: its done counter and item count
     for k in range(code.shape[0]):
         c, n = code[k], counts[k]
@@ -247,11 +247,11 @@ def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tok
                     first, end = _span(n_items, n_threads, owner) if n_items > 1 else (0, 1)
                     item = first + atomics.fetch_add(counters, done + (owner + 1) * LINE, 1)
                     while item < end:
-                        if c[0] == LINEAR_Q and sums_for != k:  # once per instruction, where the thread works on it
-                            quant.block_sums(c[ARG + 1], acts[c[IN]][:n], sums)
-                            sums_for = k
+                        if c[0] == LINEAR_Q and quantized_for != k:  # once per instruction and thread
+                            quant.quantize_activations(c[ARG + 1], acts[c[IN]][:n], scratch)
+                            quantized_for = k
                         _run(c, phase, item, n_items, n, floats[k, 0], acts, flats, mats, qmats, vecs, caches, fns,
-                             tokens, positions, row_slot, sample_rows, sums)
+                             tokens, positions, row_slot, sample_rows, scratch)
                         atomics.fetch_add(counters, done, 1)  # after the item's writes: whoever sees it sees them
                         item = first + atomics.fetch_add(counters, done + (owner + 1) * LINE, 1)
             before, before_items = done, n_items

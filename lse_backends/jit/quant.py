@@ -1,7 +1,9 @@
-"""Quantized linear layers: GGUF Q4_0, Q4_1 and Q8_0 weights times float32 activations, the blocks decoded
-in registers or, for steps of many tokens, sixteen rows at a time into a float32 panel that stays in
-cache (never a dequantized copy of the weights; no quantized activations). The jit device decodes other
-GGUF types (Q4_K, Q6_K, Q5_0...) exactly to float32 once at load.
+"""Quantized linear layers: GGUF Q4_0, Q4_1 and Q8_0 weights, the blocks decoded in registers or, for steps
+of many tokens, sixteen rows at a time into a float32 panel that stays in cache (never a dequantized copy
+of the weights). Activations are float32, except where a step of one or two tokens meets Q4 weights:
+there each block of 32 activations is quantized to int8, as llama.cpp's Q8_1 (the decode step's GEMVs
+read twice the bytes a cycle that way). The jit device decodes other GGUF types (Q4_K, Q6_K, Q5_0...)
+exactly to float32 once at load.
 
 Layout. ``prepare`` re-lays a weight once at load into a new array of the same shape and bytes: rows go
 in groups of GROUP = 8, and block b of a group's rows is stored as one group block: the eight rows' f16
@@ -14,18 +16,21 @@ layout for groups of one row) and are dequantized and dotted one at a time.
 
 Arithmetic, in LLVM vector IR emitted through numba ``@intrinsic``s (numba's own loops widen the
 nibbles to int64 and do not vectorize), per tile of row groups x tokens:
-  one token   t = sum_i q_i * x_i (two or four partial chains), acc += d * t; the offset term is
-              acc_off += m * s (Q4_1) or d * s (Q4_0, times -8 at the end), s = the block's activation
-              sum, computed once per call. Two Q4 groups per tile share the activation broadcasts.
+  one token   Q4: x = xs * xq per block (``quantize_activations``, once per call), t = sum_i q_i * xq_i
+              exactly in 16-bit lanes (pmaddubsw: nibbles times activation bytes, a row's two elements
+              per lane), then acc += d * xs * t and acc_off += m * s (Q4_1) or d * s (Q4_0, times -8 at
+              the end), s = xs * sum_i xq_i. Two groups per tile share the activation loads.
+              Q8_0: t = sum_i q_i * x_i in float32 (four partial chains), acc += d * t.
   4 tokens    w_i = d * q_i + m (Q4_0: d * q_i - 8d, exactly d * (q_i - 8)), then acc_c += w_i * x_ci:
               each block is decoded once for all the tile's tokens.
   panels      (steps of PANEL_TOKENS or more) a pair of row groups is decoded once, the same w_i, to a
               float32 panel [n, 16]; 4-token panel tiles then run acc_ck += w_ik * x_ci with 2 x 4
               accumulators: a weight vector loaded serves four tokens, a broadcast two weight vectors.
-All agree with ``x @ dequantized_W.T`` to float32 summation-order rounding. Where the host has AVX2,
-F16C and FMA, LLVM lowers the f16 scales to vcvtph2ps; elsewhere (or with ``LSE_JIT_PORTABLE=1``) they
-are decoded with integer vector ops, so the IR is generic, any LLVM target lowers it, and the results
-are the same bit for bit. numba's cache is keyed by the host CPU but not by LSE_JIT_PORTABLE: use a
+All agree with ``x @ dequantized_W.T`` to float32 summation-order rounding, x being the activations as the
+tile sees them (int8 ones times their scales, or float32). Where the host has AVX2, F16C and FMA, LLVM
+lowers the f16 scales to vcvtph2ps and the int8 products to pmaddubsw; elsewhere (or with
+``LSE_JIT_PORTABLE=1``) they are integer vector ops any LLVM target lowers, and the results are the same
+bit for bit. numba's cache is keyed by the host CPU but not by LSE_JIT_PORTABLE: use a
 fresh NUMBA_CACHE_DIR when switching it.
 
 Drivers: a product splits into work items, each a range of row groups that every token tile passes over
@@ -48,12 +53,16 @@ from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
+from . import int8
+from .int8 import BLOCK
 from .vector import (
     LANES,
     clamp,
     f32,
     fma,
     i8,
+    i16,
+    i32,
     integer,
     load,
     prefetch,
@@ -66,6 +75,7 @@ from .vector import (
     v8i8,
     v8i16,
     v8i32,
+    v32i8,
     vector,
 )
 
@@ -76,7 +86,6 @@ Q4_0, Q4_1, Q8_0 = 0, 1, 2
 KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
 # LAYOUT[kind] = (bytes per 32-value block, bytes of its f16 header: d, or d and m); a tuple numba reads too
 LAYOUT = ((18, 2), (20, 4), (34, 2))
-BLOCK = 32
 GROUP = LANES  # rows per group: one vector lane each
 # Decoding outruns one core's stream of weights from memory; prefetching this far ahead in each row group's
 # stream made one thread's 210 layer GEMVs of SmolLM2 1.5x faster here (5.7 to 46 KB measured alike).
@@ -122,22 +131,22 @@ def _quants(builder: ir.IRBuilder, kind: int, quants: ir.Value) -> Iterator[tupl
 
 
 def _make_tile(kind: int, n_groups: int, n_tokens: int, n_chains: int):
-    """An intrinsic ``tile(w, g, g_last, x, sums, t, out)``: out[t + c, rows of group g + k] for
-    c < n_tokens, k < n_groups. Group and token indices past g_last and x's last row are clamped to
-    them: the clamped tile recomputes and rewrites the same values, so any remainder can use it."""
+    """An intrinsic ``tile(w, g, g_last, x, scratch, t, out)``: out[t + c, rows of group g + k] for
+    c < n_tokens, k < n_groups (one-token tiles: Q8_0's only; scratch is unused). Group and token
+    indices past g_last and x's last row are clamped to them: the clamped tile recomputes and rewrites
+    the same values, so any remainder can use it."""
     block_bytes, header_bytes = LAYOUT[kind]
     group_block = GROUP * block_bytes
     one_token = n_tokens == 1
 
     @intrinsic
-    def tile(typingctx, w, g, g_last, x, sums, t, out):
-        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, x, sums, out)):
+    def tile(typingctx, w, g, g_last, x, scratch, t, out):
+        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, x, out)):
             raise TypingError("quantized tiles take C-contiguous 2-D arrays")
-        sig = types.void(w, g, g_last, x, sums, t, out)
+        sig = types.void(w, g, g_last, x, scratch, t, out)
 
         def codegen(context, builder, signature, args):
-            w_a, x_a, sums_a, out_a = (context.make_array(signature.args[i])(context, builder, args[i])
-                                       for i in (0, 3, 4, 6))
+            w_a, x_a, out_a = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 3, 6))
             first_group, last_group, first_token = (context.cast(builder, args[i], signature.args[i], types.intp)
                                                     for i in (1, 2, 5))
             last_token = builder.sub(builder.extract_value(x_a.shape, 0), integer(1))
@@ -150,7 +159,6 @@ def _make_tile(kind: int, n_groups: int, n_tokens: int, n_chains: int):
             zero = ir.Constant(v8f32, None)
             accs = [[[cgutils.alloca_once_value(builder, zero) for _ in range(1 if one_token else n_chains)]
                      for _ in tokens] for _ in groups]
-            offsets = [cgutils.alloca_once_value(builder, zero) for _ in groups]
 
             with cgutils.for_range(builder, n_blocks) as loop:
                 b = loop.index
@@ -171,7 +179,7 @@ def _make_tile(kind: int, n_groups: int, n_tokens: int, n_chains: int):
                     d = _scales(builder, block)
                     m = _scales(builder, builder.gep(block, [integer(2 * GROUP)])) if kind == Q4_1 else None
                     quants = _quants(builder, kind, builder.gep(block, [integer(GROUP * header_bytes)]))
-                    if one_token:  # acc += d * sum_i q_i x_i, offset += (m or d) * block sum
+                    if one_token:  # acc += d * sum_i q_i x_i
                         partials = [None] * n_chains
                         for n, (i, q) in enumerate(quants):
                             j = n % n_chains
@@ -179,10 +187,6 @@ def _make_tile(kind: int, n_groups: int, n_tokens: int, n_chains: int):
                                            else fma(builder, q, x_at(0, i), partials[j]))
                         acc = accs[k][0][0]
                         builder.store(fma(builder, d, tree_sum(builder, partials), builder.load(acc)), acc)
-                        if kind != Q8_0:
-                            block_sum = builder.load(builder.gep(row_pointer(builder, sums_a, tokens[0], f32), [b]))
-                            builder.store(fma(builder, d if m is None else m, splat(builder, block_sum),
-                                               builder.load(offsets[k])), offsets[k])
                     else:  # acc_c += (d * q_i + m) x_ci
                         if kind == Q4_0:
                             m = builder.fmul(d, vector(-8.0))
@@ -198,10 +202,96 @@ def _make_tile(kind: int, n_groups: int, n_tokens: int, n_chains: int):
             for k in range(n_groups):
                 for c in range(n_tokens):
                     total = tree_sum(builder, [builder.load(a) for a in accs[k][c]])
-                    if one_token and kind != Q8_0:
-                        offset = builder.load(offsets[k])
-                        total = builder.fadd(total, offset if kind == Q4_1 else builder.fmul(offset, vector(-8.0)))
                     store(builder, out_a, tokens[c], group_rows[k], total)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+# A 32-byte load of a Q4 group block's quants holds bytes j .. j + 3 of its eight rows ([j][row]); this
+# shuffle pairs each row's bytes within each 16-byte half ([row][j, j + 1], then [row][j + 2, j + 3]), so
+# that one pmaddubsw lane (two adjacent bytes) is one row's two elements.
+ROWS_PAIRED = ir.Constant(ir.VectorType(i32, 32), [16 * h + 8 * e + r for h in (0, 1) for r in range(LANES)
+                                                   for e in (0, 1)])
+v16i16 = ir.VectorType(i16, 16)
+
+
+def _pair_products(builder: ir.IRBuilder, quants: ir.Value, x: ir.Value) -> ir.Value:
+    """<16 x i16>: lane i = quants[2i] * x[2i] + quants[2i + 1] * x[2i + 1], quants unsigned, x signed
+    (pmaddubsw; never saturates here, as |sum| <= 2 * 15 * 127)."""
+    if AVX2:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16i16, [v32i8, v32i8]),
+                                            "llvm.x86.avx2.pmadd.ub.sw")
+        return builder.call(fn, [quants, x])
+    v32i16 = ir.VectorType(i16, 32)
+    products = builder.mul(builder.zext(quants, v32i16), builder.sext(x, v32i16))
+    even, odd = (builder.shuffle_vector(products, products, ir.Constant(ir.VectorType(i32, 16), list(range(e, 32, 2))))
+                 for e in (0, 1))
+    return builder.add(even, odd)
+
+
+def _make_int8_tile(kind: int, n_groups: int):
+    """An intrinsic ``tile(w, g, g_last, x, scratch, t, out)`` for Q4_0 and Q4_1 at one token: out[t, rows
+    of groups g + k], k < n_groups (clamped to g_last), from the int8 activations ``quantize_activations``
+    wrote to scratch for x[t]. Per block: sum_i q_i xq_i exactly in integers (pmaddubsw: the nibbles
+    times the activation bytes, sixteen 16-bit sums per instruction), then acc += d * xs * that, and
+    acc_off += (m, or d for Q4_0 times -8 at the end) * xs * sum_i xq_i: x @ W.T for x = xs * xq."""
+    block_bytes, header_bytes = LAYOUT[kind]
+    group_block = GROUP * block_bytes
+
+    @intrinsic
+    def tile(typingctx, w, g, g_last, x, scratch, t, out):
+        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, x, scratch, out)):
+            raise TypingError("quantized tiles take C-contiguous 2-D arrays")
+        sig = types.void(w, g, g_last, x, scratch, t, out)
+
+        def codegen(context, builder, signature, args):
+            w_a, x_a, scratch_a, out_a = (context.make_array(signature.args[i])(context, builder, args[i])
+                                          for i in (0, 3, 4, 6))
+            first_group, last_group, token = (context.cast(builder, args[i], signature.args[i], types.intp)
+                                              for i in (1, 2, 5))
+            groups = [clamp(builder, builder.add(first_group, integer(k)), last_group) for k in range(n_groups)]
+            group_rows = [builder.mul(group, integer(GROUP)) for group in groups]
+            weights = [row_pointer(builder, w_a, r, i8) for r in group_rows]
+            n_blocks = builder.lshr(builder.extract_value(x_a.shape, 1), integer(5))
+            scales = row_pointer(builder, scratch_a, token, f32)  # the row's layout: see int8.quantize
+            sums = builder.gep(scales, [n_blocks])
+            patterns = builder.bitcast(builder.gep(sums, [n_blocks]), i8.as_pointer())
+            zero = ir.Constant(v8f32, None)
+            accs = [cgutils.alloca_once_value(builder, zero) for _ in groups]
+            offsets = [cgutils.alloca_once_value(builder, zero) for _ in groups]
+            with cgutils.for_range(builder, n_blocks) as loop:
+                b = loop.index
+                block_patterns = builder.gep(patterns, [builder.mul(b, integer(int8.PATTERN_BYTES * BLOCK))])
+                xq = [load(builder, block_patterns, 32 * i, v32i8) for i in range(int8.PATTERN_BYTES * BLOCK // 32)]
+                x_scale = splat(builder, builder.load(builder.gep(scales, [b])))
+                x_sum = splat(builder, builder.load(builder.gep(sums, [b])))
+                blocks = [builder.gep(w_k, [builder.mul(b, integer(group_block))]) for w_k in weights]
+                for block in blocks:
+                    _prefetch_ahead(builder, block, group_block)
+                for k, block in enumerate(blocks):
+                    d = _scales(builder, block)
+                    quants = builder.gep(block, [integer(GROUP * header_bytes)])
+                    partial = []
+                    for p in range(BLOCK // 2 // 4):  # four bytes of the rows per load: 2 x 4 elements each
+                        raw = builder.shuffle_vector(load(builder, quants, 32 * p, v32i8), ir.Constant(v32i8, None),
+                                                     ROWS_PAIRED)
+                        partial.append(_pair_products(builder, builder.and_(raw, vector(15, v32i8)), xq[2 * p]))
+                        partial.append(_pair_products(builder, builder.lshr(raw, vector(4, v32i8)), xq[2 * p + 1]))
+                    while len(partial) > 1:  # at most 8 * 3810 in a 16-bit lane
+                        partial = [builder.add(partial[i], partial[i + 1]) for i in range(0, len(partial), 2)]
+                    halves = (builder.shuffle_vector(partial[0], partial[0], ir.Constant(v8i32, list(range(h, h + 8))))
+                              for h in (0, 8))
+                    dot = builder.sitofp(builder.add(*(builder.sext(half, v8i32) for half in halves)), v8f32)
+                    builder.store(fma(builder, builder.fmul(d, x_scale), dot, builder.load(accs[k])), accs[k])
+                    m = _scales(builder, builder.gep(block, [integer(2 * GROUP)])) if kind == Q4_1 else d
+                    builder.store(fma(builder, m, x_sum, builder.load(offsets[k])), offsets[k])
+            for k in range(n_groups):
+                offset = builder.load(offsets[k])
+                offset = offset if kind == Q4_1 else builder.fmul(offset, vector(-8.0))
+                store(builder, out_a, token, group_rows[k], builder.fadd(builder.load(accs[k]), offset))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -294,12 +384,13 @@ def _prefetch_ahead(builder: ir.IRBuilder, block: ir.Value, group_block: int) ->
 
 
 
-# Tile shapes (groups, tokens, partial chains), the fastest measured on Zen 3: one token in two groups for
-# Q4 (16 rows share the activation broadcasts), in one group with four partial sums for Q8_0 (whose cheap
-# decode leaves the FMA latency exposed, and two groups spill registers); 4 tokens in one group.
-_q4_0_1, _q4_0_4 = (_make_tile(Q4_0, *shape) for shape in ((2, 1, 2), (1, 4, 2)))
-_q4_1_1, _q4_1_4 = (_make_tile(Q4_1, *shape) for shape in ((2, 1, 2), (1, 4, 2)))
-_q8_0_1, _q8_0_4 = (_make_tile(Q8_0, *shape) for shape in ((1, 1, 4), (1, 4, 2)))
+# Tile shapes (groups, tokens, partial chains), the fastest measured on Zen 3: one token in one group with
+# four partial sums for Q8_0 (whose cheap decode leaves the FMA latency exposed, and two groups spill
+# registers); 4 tokens in one group. One-token Q4 tiles take int8 activations, two groups each (16 rows
+# share the activation loads).
+_q4_0_1, _q4_1_1 = (_make_int8_tile(kind, 2) for kind in (Q4_0, Q4_1))
+_q4_0_4, _q4_1_4, _q8_0_4 = (_make_tile(kind, 1, 4, 2) for kind in (Q4_0, Q4_1, Q8_0))
+_q8_0_1 = _make_tile(Q8_0, 1, 1, 4)
 PANEL_GROUPS = 2  # row groups a panel holds (three measured no faster, and items hold pairs of groups)
 _q4_0_unpack, _q4_1_unpack, _q8_0_unpack = (_make_unpack(kind, PANEL_GROUPS) for kind in (Q4_0, Q4_1, Q8_0))
 # Panel tiles: 2 x 4 accumulators, two weight vectors and a broadcast fill 11 of the 16 vector registers.
@@ -313,22 +404,22 @@ ONE_TOKEN_PASSES, PANEL_TOKENS = 2, 8
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _tile(kind, tokens, w, g, g_last, x, sums, t, out):
+def _tile(kind, tokens, w, g, g_last, x, scratch, t, out):
     """The tile of this weight type for 1 or 4 tokens."""
     if kind == Q4_1:
         if tokens == 1:
-            _q4_1_1(w, g, g_last, x, sums, t, out)
+            _q4_1_1(w, g, g_last, x, scratch, t, out)
         else:
-            _q4_1_4(w, g, g_last, x, sums, t, out)
+            _q4_1_4(w, g, g_last, x, scratch, t, out)
     elif kind == Q4_0:
         if tokens == 1:
-            _q4_0_1(w, g, g_last, x, sums, t, out)
+            _q4_0_1(w, g, g_last, x, scratch, t, out)
         else:
-            _q4_0_4(w, g, g_last, x, sums, t, out)
+            _q4_0_4(w, g, g_last, x, scratch, t, out)
     elif tokens == 1:
-        _q8_0_1(w, g, g_last, x, sums, t, out)
+        _q8_0_1(w, g, g_last, x, scratch, t, out)
     else:
-        _q8_0_4(w, g, g_last, x, sums, t, out)
+        _q8_0_4(w, g, g_last, x, scratch, t, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -343,20 +434,21 @@ def _unpack(kind, w, g, g_last, panel):
 
 
 @njit(cache=True, nogil=True)
-def _groups(kind, w, x, out, g0, g1, sums):
+def _groups(kind, w, x, out, g0, g1, scratch):
     """Row groups g0 .. g1 - 1 against every token, token tiles outer so that the groups' weights stay in
-    cache while the tiles pass (``ONE_TOKEN_PASSES``, ``PANEL_TOKENS``): one-token tiles, with the tokens'
-    block sums (``block_sums``); 4-token tiles; or each pair of groups decoded once to a float32 panel (16
-    rows x n, in cache) that 4-token panel tiles multiply. Tiles past the last token are clamped to it."""
+    cache while the tiles pass (``ONE_TOKEN_PASSES``, ``PANEL_TOKENS``): one-token tiles (Q4: on the int8
+    activations in scratch, ``quantize_activations``); 4-token tiles; or each pair of groups decoded once
+    to a float32 panel (16 rows x n, in cache) that 4-token panel tiles multiply. Tiles past the last
+    token are clamped to it."""
     n_tokens = x.shape[0]
     if n_tokens <= ONE_TOKEN_PASSES:
         for t in range(n_tokens):
             for g in range(g0, g1, 1 if kind == Q8_0 else 2):  # Q4 one-token tiles take two groups
-                _tile(kind, 1, w, g, g1 - 1, x, sums, t, out)
+                _tile(kind, 1, w, g, g1 - 1, x, scratch, t, out)
     elif n_tokens < PANEL_TOKENS:
         for t in range(0, n_tokens, 4):
             for g in range(g0, g1):
-                _tile(kind, 4, w, g, g1 - 1, x, sums, t, out)
+                _tile(kind, 4, w, g, g1 - 1, x, scratch, t, out)
     else:
         panel = np.empty((x.shape[1], PANEL_GROUPS * GROUP), np.float32)
         for g in range(g0, g1, PANEL_GROUPS):
@@ -365,20 +457,12 @@ def _groups(kind, w, x, out, g0, g1, sums):
                 _panel_tile(panel, x, t, g, g1 - 1, out)
 
 
-@njit(cache=True, nogil=True, fastmath={"reassoc", "nsz"})
-def block_sums(kind: int, x: np.ndarray, sums: np.ndarray) -> None:
-    """sums[t, b] = the sum of block b of x's row t, where one-token Q4 tiles take x (up to
-    ONE_TOKEN_PASSES rows; ``linear_item`` reads them; sums is [2, x's width / 32] or larger).
-    Reassociated: LLVM vectorizes it."""
-    if kind == Q8_0 or x.shape[0] > ONE_TOKEN_PASSES:
-        return
-    for t in range(x.shape[0]):
-        row = x[t]
-        for b in range(x.shape[1] // BLOCK):
-            total = np.float32(0.0)
-            for i in range(b * BLOCK, (b + 1) * BLOCK):
-                total += row[i]
-            sums[t, b] = total
+@njit(cache=True, nogil=True)
+def quantize_activations(kind: int, x: np.ndarray, scratch: np.ndarray) -> None:
+    """What one-token Q4 tiles read: x (of up to ONE_TOKEN_PASSES rows) as int8 in scratch
+    ([2, int8.activation_width(x's width)] or wider; ``int8.quantize``). Other kinds and steps: nothing."""
+    if kind != Q8_0 and x.shape[0] <= ONE_TOKEN_PASSES:
+        int8.quantize(x, scratch)
 
 
 # Work items: a product splits into items of about ITEM_WORK block-rows x tokens (~5 us here, where
@@ -404,16 +488,18 @@ def linear_items(n_rows: int, x: np.ndarray) -> int:
 
 @njit(cache=True, nogil=True)
 def linear_pairs(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, p0: int, p1: int,
-                 sums: np.ndarray) -> tuple[int, int]:
+                 scratch: np.ndarray) -> tuple[int, int]:
     """Pairs of row groups p0 .. p1 - 1 of out = x @ W.T (of ``linear_items_most`` pairs) and, in the range
     that ends with the last pair, the rows % 8 kept as GGUF stored them (dequantized and dotted one by one).
-    Returns the rows written. ``sums``: what ``block_sums`` wrote for x."""
+    Returns the rows written. ``scratch``: what ``quantize_activations`` wrote for x."""
     n_rows = blocks.shape[0]
     full_groups = n_rows // GROUP
     g0, g1 = min(full_groups, 2 * p0), min(full_groups, 2 * p1)
-    _groups(kind, blocks, x, out, g0, g1, sums)
+    _groups(kind, blocks, x, out, g0, g1, scratch)
     if p1 < linear_items_most(n_rows) or n_rows % GROUP == 0:
         return g0 * GROUP, g1 * GROUP
+    if kind != Q8_0 and x.shape[0] <= ONE_TOKEN_PASSES:  # these rows see what the tiles saw
+        x = int8.dequantize(x, scratch)
     weights = np.empty(x.shape[1], np.float32)
     for row in range(full_groups * GROUP, n_rows):
         _dequantize_row(kind, blocks, row, weights)
@@ -423,10 +509,10 @@ def linear_pairs(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, 
 
 @njit(cache=True, nogil=True)
 def linear_item(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, item: int, n_items: int,
-                sums: np.ndarray) -> tuple[int, int]:
+                scratch: np.ndarray) -> tuple[int, int]:
     """Work item ``item`` of ``n_items`` of out = x @ W.T (``linear_pairs`` of its share of the pairs)."""
     pairs = linear_items_most(blocks.shape[0])
-    return linear_pairs(kind, blocks, x, out, pairs * item // n_items, pairs * (item + 1) // n_items, sums)
+    return linear_pairs(kind, blocks, x, out, pairs * item // n_items, pairs * (item + 1) // n_items, scratch)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -438,13 +524,13 @@ def linear(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray) -> Non
             or out.shape != (x.shape[0], blocks.shape[0])):
         raise ValueError("linear: weight, activation and output shapes disagree")
     n_items = linear_items(blocks.shape[0], x)
-    sums = np.empty((2, x.shape[1] // BLOCK), np.float32)
-    block_sums(kind, x, sums)
+    scratch = np.empty((2, int8.activation_width(x.shape[1])), np.float32)
+    quantize_activations(kind, x, scratch)
     if n_items == 1:  # the calling thread alone beats waking the others
-        linear_item(kind, blocks, x, out, 0, 1, sums)
+        linear_item(kind, blocks, x, out, 0, 1, scratch)
     else:
         for item in prange(n_items):
-            linear_item(kind, blocks, x, out, item, n_items, sums)
+            linear_item(kind, blocks, x, out, item, n_items, scratch)
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "nsz"})

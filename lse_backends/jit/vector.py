@@ -13,6 +13,7 @@ LANES = 8  # float32 lanes of an AVX2 register; LLVM splits or scalarizes vector
 i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 f16, f32 = ir.HalfType(), ir.FloatType()
 v8i8, v8i16, v8i32, v8f16, v8f32 = (ir.VectorType(t, LANES) for t in (i8, i16, i32, f16, f32))
+v32i8 = ir.VectorType(i8, 4 * LANES)  # a 256-bit register of bytes
 
 
 def integer(value: int) -> ir.Constant:
