@@ -96,8 +96,9 @@ def quantized(qtype: str, rows: int, cols: int) -> QuantTensor:
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("n_rows", [1, 5, 33])
 def test_quantized_linear_is_the_dequantized_weight_times_the_activations(jit, qtype, n_rows):
-    """Blocks decoded in registers against float32 activations, or (Q4 at one token) int8 ones, as
-    llama.cpp's: the product is the dequantized weight's times those activations up to float32 rounding."""
+    """Blocks decoded in registers against float32 activations, or (Q4, steps of up to 16 tokens) int8
+    ones, as llama.cpp's: the product is the dequantized weight's times those activations up to float32
+    rounding."""
     weight = quantized(qtype, 37, 320)
     bias = RNG.standard_normal(37).astype(np.float32)
     x = RNG.standard_normal((n_rows, 320)).astype(np.float32)
@@ -396,7 +397,7 @@ def test_default_model_answers_like_the_interpreter(jit):
     """SmolLM2-135M Q4_1 with its Q8_0 tied embedding, the blocks read in place: the prefill's float32
     activations give the interpreter's (dequantized fp32) logits within 1e-4 of scale, so even this
     prompt's near-tied first token (a 0.08 margin that int8 activations flip) comes out the same; the
-    decode steps' int8 activations (Q4 at one token) within 5e-2 (2.3e-2 measured), the same ids."""
+    decode steps' int8 activations (Q4) within 5e-2 (2.3e-2 measured), the same ids."""
     from lse_core.model.gguf import load_gguf
 
     model = load_gguf(str(default_model_path()))

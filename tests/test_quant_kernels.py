@@ -50,7 +50,7 @@ def int8_activations(x: np.ndarray) -> np.ndarray:
 def seen_by_kernels(qtype: str, x: np.ndarray) -> np.ndarray:
     """The activations a product is exact for: int8 ones for Q4 weights at one or two tokens (one-token
     passes), float32 otherwise."""
-    return int8_activations(x) if qtype != "Q8_0" and len(x) <= quant.ONE_TOKEN_PASSES else x
+    return int8_activations(x) if qtype != "Q8_0" and len(x) <= quant.INT8_TOKENS else x
 
 
 def assert_close_to_reference(out: np.ndarray, x: np.ndarray, dense: np.ndarray) -> None:
@@ -74,11 +74,13 @@ def test_the_shapes_reach_one_and_several_work_items():
 
 
 def test_the_token_counts_reach_every_path():
-    """One-token passes, 4-token register tiles and panels (quant._groups) each get token counts, panels a
-    count that leaves a clamped remainder tile."""
+    """Each path of quant._groups gets token counts: one-token passes; 4-token tiles (int8 for Q4, float32
+    for Q8_0) with and without a clamped remainder; panels (Q8_0 from PANEL_TOKENS, Q4 past INT8_TOKENS),
+    with one."""
     assert min(TOKENS) <= quant.ONE_TOKEN_PASSES
-    assert any(quant.ONE_TOKEN_PASSES < t < quant.PANEL_TOKENS for t in TOKENS)
-    assert any(t >= quant.PANEL_TOKENS and t % 4 for t in TOKENS)
+    assert any(quant.ONE_TOKEN_PASSES < t < quant.PANEL_TOKENS and t % 4 for t in TOKENS)
+    assert any(quant.PANEL_TOKENS <= t <= quant.INT8_TOKENS and t % 4 == 0 for t in TOKENS)
+    assert any(t > quant.INT8_TOKENS and t % 4 for t in TOKENS)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -99,7 +101,7 @@ def test_linear_reads_activation_rows_through_their_stride():
     x = RNG.standard_normal((10, 96)).astype(np.float32)
     out = np.full((10, 24), np.nan, np.float32)
     quant.linear(*prepared("Q4_1", blocks), x[:3], out[:3])
-    assert_close_to_reference(out[:3], x[:3], dense)
+    assert_close_to_reference(out[:3], seen_by_kernels("Q4_1", x[:3]), dense)
     assert np.isnan(out[3:]).all()
 
 
@@ -168,7 +170,7 @@ def test_portable_ir_gives_the_same_floats(tmp_path):
         np.save(tmp_path / f"{qtype}.npy", laid_out)
         for tokens in (1, 3, 16):
             out = np.full((tokens, 40), np.nan, np.float32)
-            scratch = np.empty((2, int8.activation_width(96)), np.float32)
+            scratch = np.empty((quant.INT8_TOKENS, int8.activation_width(96)), np.float32)
             quant.quantize_activations(kind, x[:tokens], scratch)
             quant._groups(kind, laid_out, x[:tokens], out, 0, 5, scratch)
             expected[qtype, tokens] = out
@@ -182,7 +184,7 @@ def test_portable_ir_gives_the_same_floats(tmp_path):
         "    for t in (1, 3, 16):\n"
         "        out = np.full((t, 40), np.nan, np.float32)\n"
         "        w = np.load(f'{d}/{q}.npy'); w.flags.writeable = False\n"
-        "        scratch = np.empty((2, int8.activation_width(96)), np.float32)\n"
+        "        scratch = np.empty((quant.INT8_TOKENS, int8.activation_width(96)), np.float32)\n"
         "        quant.quantize_activations(quant.KINDS[q], x[:t], scratch)\n"
         "        quant._groups(quant.KINDS[q], w, x[:t], out, 0, 5, scratch)\n"
         "        np.save(f'{d}/{q}.{t}.npy', out)\n"

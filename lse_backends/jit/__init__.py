@@ -36,7 +36,7 @@ class JitDevice(Device):
     def __init__(self) -> None:
         self.info = DeviceInfo("jit", 0, "cpu", codegen=True, description=(
             f"numba {numba.__version__} on {llvm_host_cpu()}, {numba.get_num_threads()} threads; "
-            "int8 activations for Q4 weights in steps of one or two tokens"))
+            "int8 activations for Q4 weights in steps of up to 16 tokens"))
         # id(weight) -> (weight, laid-out form): a weight read by several groups (tied embeddings) is
         # prepared once; the source is kept so its id stays unique
         self._prepared: dict[int, tuple[Any, Any]] = {}

@@ -1,9 +1,11 @@
 """Quantized linear layers: GGUF Q4_0, Q4_1 and Q8_0 weights, the blocks decoded in registers or, for steps
 of many tokens, sixteen rows at a time into a float32 panel that stays in cache (never a dequantized copy
-of the weights). Activations are float32, except where a step of one or two tokens meets Q4 weights:
-there each block of 32 activations is quantized to int8, as llama.cpp's Q8_1 (the decode step's GEMVs
-read twice the bytes a cycle that way). The jit device decodes other GGUF types (Q4_K, Q6_K, Q5_0...)
-exactly to float32 once at load.
+of the weights). Activations are float32, except where a step of up to INT8_TOKENS tokens (a decode step)
+meets Q4 weights: there each block of 32 activations is quantized to int8, as llama.cpp's Q8_1, and the
+nibbles multiply the activation bytes in 16-bit integer lanes (a one-token pass then does half the vector
+work per weight byte; SmolLM2's whole step at 8 and 16 sequences is 1.17x and 1.13x faster than through
+float32 panels). The jit
+device decodes other GGUF types (Q4_K, Q6_K, Q5_0...) exactly to float32 once at load.
 
 Layout. ``prepare`` re-lays a weight once at load into a new array of the same shape and bytes: rows go
 in groups of GROUP = 8, and block b of a group's rows is stored as one group block: the eight rows' f16
@@ -16,13 +18,14 @@ layout for groups of one row) and are dequantized and dotted one at a time.
 
 Arithmetic, in LLVM vector IR emitted through numba ``@intrinsic``s (numba's own loops widen the
 nibbles to int64 and do not vectorize), per tile of row groups x tokens:
-  one token   Q4: x = xs * xq per block (``quantize_activations``, once per call), t = sum_i q_i * xq_i
-              exactly in 16-bit lanes (pmaddubsw: nibbles times activation bytes, a row's two elements
-              per lane), then acc += d * xs * t and acc_off += m * s (Q4_1) or d * s (Q4_0, times -8 at
-              the end), s = xs * sum_i xq_i. Two groups per tile share the activation loads.
-              Q8_0: t = sum_i q_i * x_i in float32 (four partial chains), acc += d * t.
-  4 tokens    w_i = d * q_i + m (Q4_0: d * q_i - 8d, exactly d * (q_i - 8)), then acc_c += w_i * x_ci:
-              each block is decoded once for all the tile's tokens.
+  int8        (Q4, steps of up to INT8_TOKENS) x = xs * xq per block (``quantize_activations``, once per
+              call), t = sum_i q_i * xq_i exactly in 16-bit lanes (pmaddubsw: nibbles times activation
+              bytes, a row's two elements per lane), then acc += d * xs * t and acc_off += m * s (Q4_1)
+              or d * s (Q4_0, times -8 at the end), s = xs * sum_i xq_i. Tiles of two groups x one
+              token (up to ONE_TOKEN_PASSES tokens) or x four tokens.
+  one token   (Q8_0) t = sum_i q_i * x_i in float32 (four partial chains), acc += d * t.
+  4 tokens    (Q8_0 up to PANEL_TOKENS) w_i = d * q_i, then acc_c += w_i * x_ci: each block is decoded
+              once for all the tile's tokens.
   panels      (steps of PANEL_TOKENS or more) a pair of row groups is decoded once, the same w_i, to a
               float32 panel [n, 16]; 4-token panel tiles then run acc_ck += w_ik * x_ci with 2 x 4
               accumulators: a weight vector loaded serves four tokens, a broadcast two weight vectors.
@@ -130,35 +133,33 @@ def _quants(builder: ir.IRBuilder, kind: int, quants: ir.Value) -> Iterator[tupl
 
 
 
-def _make_tile(kind: int, n_groups: int, n_tokens: int, n_chains: int):
-    """An intrinsic ``tile(w, g, g_last, x, scratch, t, out)``: out[t + c, rows of group g + k] for
-    c < n_tokens, k < n_groups (one-token tiles: Q8_0's only; scratch is unused). Group and token
-    indices past g_last and x's last row are clamped to them: the clamped tile recomputes and rewrites
-    the same values, so any remainder can use it."""
-    block_bytes, header_bytes = LAYOUT[kind]
+def _make_q8_0_tile(n_tokens: int, n_chains: int):
+    """An intrinsic ``tile(w, g, g_last, x, t, out)`` for Q8_0: out[t + c, rows of group g] for c <
+    n_tokens, over float32 activations. Group and token indices past g_last and x's last row are clamped
+    to them: the clamped tile recomputes and rewrites the same values, so any remainder can use it."""
+    block_bytes, header_bytes = LAYOUT[Q8_0]
     group_block = GROUP * block_bytes
     one_token = n_tokens == 1
 
     @intrinsic
-    def tile(typingctx, w, g, g_last, x, scratch, t, out):
+    def tile(typingctx, w, g, g_last, x, t, out):
         if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, x, out)):
             raise TypingError("quantized tiles take C-contiguous 2-D arrays")
-        sig = types.void(w, g, g_last, x, scratch, t, out)
+        sig = types.void(w, g, g_last, x, t, out)
 
         def codegen(context, builder, signature, args):
-            w_a, x_a, out_a = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 3, 6))
-            first_group, last_group, first_token = (context.cast(builder, args[i], signature.args[i], types.intp)
-                                                    for i in (1, 2, 5))
+            w_a, x_a, out_a = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 3, 5))
+            group, last_group, first_token = (context.cast(builder, args[i], signature.args[i], types.intp)
+                                              for i in (1, 2, 4))
             last_token = builder.sub(builder.extract_value(x_a.shape, 0), integer(1))
-            groups = [clamp(builder, builder.add(first_group, integer(k)), last_group) for k in range(n_groups)]
             tokens = [clamp(builder, builder.add(first_token, integer(c)), last_token) for c in range(n_tokens)]
-            group_rows = [builder.mul(group, integer(GROUP)) for group in groups]
-            weights = [row_pointer(builder, w_a, r, i8) for r in group_rows]
+            group_row = builder.mul(clamp(builder, group, last_group), integer(GROUP))
+            weights = row_pointer(builder, w_a, group_row, i8)
             x_rows = [row_pointer(builder, x_a, c, f32) for c in tokens]
             n_blocks = builder.lshr(builder.extract_value(x_a.shape, 1), integer(5))
             zero = ir.Constant(v8f32, None)
-            accs = [[[cgutils.alloca_once_value(builder, zero) for _ in range(1 if one_token else n_chains)]
-                     for _ in tokens] for _ in groups]
+            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(1 if one_token else n_chains)]
+                    for _ in tokens]
 
             with cgutils.for_range(builder, n_blocks) as loop:
                 b = loop.index
@@ -172,37 +173,29 @@ def _make_tile(kind: int, n_groups: int, n_tokens: int, n_chains: int):
                         broadcasts[c, i] = splat(builder, value)
                     return broadcasts[c, i]
 
-                blocks = [builder.gep(w_k, [builder.mul(b, integer(group_block))]) for w_k in weights]
-                for block in blocks:
-                    _prefetch_ahead(builder, block, group_block)
-                for k, block in enumerate(blocks):
-                    d = _scales(builder, block)
-                    m = _scales(builder, builder.gep(block, [integer(2 * GROUP)])) if kind == Q4_1 else None
-                    quants = _quants(builder, kind, builder.gep(block, [integer(GROUP * header_bytes)]))
-                    if one_token:  # acc += d * sum_i q_i x_i
-                        partials = [None] * n_chains
-                        for n, (i, q) in enumerate(quants):
-                            j = n % n_chains
-                            partials[j] = (builder.fmul(q, x_at(0, i)) if partials[j] is None
-                                           else fma(builder, q, x_at(0, i), partials[j]))
-                        acc = accs[k][0][0]
-                        builder.store(fma(builder, d, tree_sum(builder, partials), builder.load(acc)), acc)
-                    else:  # acc_c += (d * q_i + m) x_ci
-                        if kind == Q4_0:
-                            m = builder.fmul(d, vector(-8.0))
-                        values = [[builder.load(a) for a in accs[k][c]] for c in range(n_tokens)]
-                        for n, (i, q) in enumerate(quants):
-                            weight = builder.fmul(q, d) if m is None else fma(builder, q, d, m)
-                            for c in range(n_tokens):
-                                values[c][n % n_chains] = fma(builder, weight, x_at(c, i), values[c][n % n_chains])
+                block = builder.gep(weights, [builder.mul(b, integer(group_block))])
+                _prefetch_ahead(builder, block, group_block)
+                d = _scales(builder, block)
+                quants = _quants(builder, Q8_0, builder.gep(block, [integer(GROUP * header_bytes)]))
+                if one_token:  # acc += d * sum_i q_i x_i
+                    partials = [None] * n_chains
+                    for n, (i, q) in enumerate(quants):
+                        j = n % n_chains
+                        partials[j] = (builder.fmul(q, x_at(0, i)) if partials[j] is None
+                                       else fma(builder, q, x_at(0, i), partials[j]))
+                    builder.store(fma(builder, d, tree_sum(builder, partials), builder.load(accs[0][0])), accs[0][0])
+                else:  # acc_c += (d * q_i) x_ci
+                    values = [[builder.load(a) for a in accs[c]] for c in range(n_tokens)]
+                    for n, (i, q) in enumerate(quants):
+                        weight = builder.fmul(q, d)
                         for c in range(n_tokens):
-                            for a, v in zip(accs[k][c], values[c]):
-                                builder.store(v, a)
+                            values[c][n % n_chains] = fma(builder, weight, x_at(c, i), values[c][n % n_chains])
+                    for c in range(n_tokens):
+                        for a, v in zip(accs[c], values[c]):
+                            builder.store(v, a)
 
-            for k in range(n_groups):
-                for c in range(n_tokens):
-                    total = tree_sum(builder, [builder.load(a) for a in accs[k][c]])
-                    store(builder, out_a, tokens[c], group_rows[k], total)
+            for c in range(n_tokens):
+                store(builder, out_a, tokens[c], group_row, tree_sum(builder, [builder.load(a) for a in accs[c]]))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -232,12 +225,19 @@ def _pair_products(builder: ir.IRBuilder, quants: ir.Value, x: ir.Value) -> ir.V
     return builder.add(even, odd)
 
 
-def _make_int8_tile(kind: int, n_groups: int):
-    """An intrinsic ``tile(w, g, g_last, x, scratch, t, out)`` for Q4_0 and Q4_1 at one token: out[t, rows
-    of groups g + k], k < n_groups (clamped to g_last), from the int8 activations ``quantize_activations``
-    wrote to scratch for x[t]. Per block: sum_i q_i xq_i exactly in integers (pmaddubsw: the nibbles
-    times the activation bytes, sixteen 16-bit sums per instruction), then acc += d * xs * that, and
-    acc_off += (m, or d for Q4_0 times -8 at the end) * xs * sum_i xq_i: x @ W.T for x = xs * xq."""
+def _row_sums(builder: ir.IRBuilder, pairs: ir.Value) -> ir.Value:
+    """<8 x i32>: row r's two 16-bit sums (lanes r and 8 + r of ``pairs``) added."""
+    halves = (builder.shuffle_vector(pairs, pairs, ir.Constant(v8i32, list(range(h, h + LANES)))) for h in (0, LANES))
+    return builder.add(*(builder.sext(half, v8i32) for half in halves))
+
+
+def _make_int8_tile(kind: int, n_groups: int, n_tokens: int):
+    """An intrinsic ``tile(w, g, g_last, x, scratch, t, out)`` for Q4_0 and Q4_1: out[t + c, rows of groups
+    g + k], c < n_tokens, k < n_groups (clamped to x's last row and g_last, as the float tiles), from the
+    int8 activations ``quantize_activations`` wrote to scratch for x. Per block: sum_i q_i xq_i exactly in
+    integers (pmaddubsw: the nibbles times the activation bytes, sixteen 16-bit sums per instruction, each
+    nibble vector meeting every token), then acc += d * xs * that, and acc_off += (m, or d for Q4_0 times
+    -8 at the end) * xs * sum_i xq_i: x @ W.T for x = xs * xq."""
     block_bytes, header_bytes = LAYOUT[kind]
     group_block = GROUP * block_bytes
 
@@ -250,48 +250,54 @@ def _make_int8_tile(kind: int, n_groups: int):
         def codegen(context, builder, signature, args):
             w_a, x_a, scratch_a, out_a = (context.make_array(signature.args[i])(context, builder, args[i])
                                           for i in (0, 3, 4, 6))
-            first_group, last_group, token = (context.cast(builder, args[i], signature.args[i], types.intp)
-                                              for i in (1, 2, 5))
+            first_group, last_group, first_token = (context.cast(builder, args[i], signature.args[i], types.intp)
+                                                    for i in (1, 2, 5))
+            last_token = builder.sub(builder.extract_value(x_a.shape, 0), integer(1))
             groups = [clamp(builder, builder.add(first_group, integer(k)), last_group) for k in range(n_groups)]
+            tokens = [clamp(builder, builder.add(first_token, integer(c)), last_token) for c in range(n_tokens)]
             group_rows = [builder.mul(group, integer(GROUP)) for group in groups]
             weights = [row_pointer(builder, w_a, r, i8) for r in group_rows]
             n_blocks = builder.lshr(builder.extract_value(x_a.shape, 1), integer(5))
-            scales = row_pointer(builder, scratch_a, token, f32)  # the row's layout: see int8.quantize
-            sums = builder.gep(scales, [n_blocks])
-            patterns = builder.bitcast(builder.gep(sums, [n_blocks]), i8.as_pointer())
+            scales = [row_pointer(builder, scratch_a, c, f32) for c in tokens]  # a row's layout: int8.quantize
+            sums = [builder.gep(row, [n_blocks]) for row in scales]
+            patterns = [builder.bitcast(builder.gep(row, [n_blocks]), i8.as_pointer()) for row in sums]
             zero = ir.Constant(v8f32, None)
-            accs = [cgutils.alloca_once_value(builder, zero) for _ in groups]
-            offsets = [cgutils.alloca_once_value(builder, zero) for _ in groups]
+            accs = [[cgutils.alloca_once_value(builder, zero) for _ in tokens] for _ in groups]
+            offsets = [[cgutils.alloca_once_value(builder, zero) for _ in tokens] for _ in groups]
             with cgutils.for_range(builder, n_blocks) as loop:
                 b = loop.index
-                block_patterns = builder.gep(patterns, [builder.mul(b, integer(int8.PATTERN_BYTES * BLOCK))])
-                xq = [load(builder, block_patterns, 32 * i, v32i8) for i in range(int8.PATTERN_BYTES * BLOCK // 32)]
-                x_scale = splat(builder, builder.load(builder.gep(scales, [b])))
-                x_sum = splat(builder, builder.load(builder.gep(sums, [b])))
+                block_patterns = [builder.gep(row, [builder.mul(b, integer(int8.PATTERN_BYTES * BLOCK))])
+                                  for row in patterns]
                 blocks = [builder.gep(w_k, [builder.mul(b, integer(group_block))]) for w_k in weights]
                 for block in blocks:
                     _prefetch_ahead(builder, block, group_block)
+                dots = [[None] * n_tokens for _ in groups]  # at most 8 * 3810 in a 16-bit lane
+                for p in range(BLOCK // 2 // 4):  # four bytes of the rows per load: 2 x 4 elements each
+                    nibbles = []
+                    for block in blocks:
+                        raw = load(builder, builder.gep(block, [integer(GROUP * header_bytes)]), 32 * p, v32i8)
+                        raw = builder.shuffle_vector(raw, ir.Constant(v32i8, None), ROWS_PAIRED)
+                        nibbles.append((builder.and_(raw, vector(15, v32i8)), builder.lshr(raw, vector(4, v32i8))))
+                    for c in range(n_tokens):
+                        low, high = (load(builder, block_patterns[c], 32 * (2 * p + h), v32i8) for h in (0, 1))
+                        for k, (low_nibbles, high_nibbles) in enumerate(nibbles):
+                            both = builder.add(_pair_products(builder, low_nibbles, low),
+                                               _pair_products(builder, high_nibbles, high))
+                            dots[k][c] = both if dots[k][c] is None else builder.add(dots[k][c], both)
                 for k, block in enumerate(blocks):
                     d = _scales(builder, block)
-                    quants = builder.gep(block, [integer(GROUP * header_bytes)])
-                    partial = []
-                    for p in range(BLOCK // 2 // 4):  # four bytes of the rows per load: 2 x 4 elements each
-                        raw = builder.shuffle_vector(load(builder, quants, 32 * p, v32i8), ir.Constant(v32i8, None),
-                                                     ROWS_PAIRED)
-                        partial.append(_pair_products(builder, builder.and_(raw, vector(15, v32i8)), xq[2 * p]))
-                        partial.append(_pair_products(builder, builder.lshr(raw, vector(4, v32i8)), xq[2 * p + 1]))
-                    while len(partial) > 1:  # at most 8 * 3810 in a 16-bit lane
-                        partial = [builder.add(partial[i], partial[i + 1]) for i in range(0, len(partial), 2)]
-                    halves = (builder.shuffle_vector(partial[0], partial[0], ir.Constant(v8i32, list(range(h, h + 8))))
-                              for h in (0, 8))
-                    dot = builder.sitofp(builder.add(*(builder.sext(half, v8i32) for half in halves)), v8f32)
-                    builder.store(fma(builder, builder.fmul(d, x_scale), dot, builder.load(accs[k])), accs[k])
                     m = _scales(builder, builder.gep(block, [integer(2 * GROUP)])) if kind == Q4_1 else d
-                    builder.store(fma(builder, m, x_sum, builder.load(offsets[k])), offsets[k])
+                    for c in range(n_tokens):
+                        dot = builder.sitofp(_row_sums(builder, dots[k][c]), v8f32)
+                        x_scale = splat(builder, builder.load(builder.gep(scales[c], [b])))
+                        x_sum = splat(builder, builder.load(builder.gep(sums[c], [b])))
+                        builder.store(fma(builder, builder.fmul(d, x_scale), dot, builder.load(accs[k][c])), accs[k][c])
+                        builder.store(fma(builder, m, x_sum, builder.load(offsets[k][c])), offsets[k][c])
             for k in range(n_groups):
-                offset = builder.load(offsets[k])
-                offset = offset if kind == Q4_1 else builder.fmul(offset, vector(-8.0))
-                store(builder, out_a, token, group_rows[k], builder.fadd(builder.load(accs[k]), offset))
+                for c in range(n_tokens):
+                    offset = builder.load(offsets[k][c])
+                    offset = offset if kind == Q4_1 else builder.fmul(offset, vector(-8.0))
+                    store(builder, out_a, tokens[c], group_rows[k], builder.fadd(builder.load(accs[k][c]), offset))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -384,42 +390,38 @@ def _prefetch_ahead(builder: ir.IRBuilder, block: ir.Value, group_block: int) ->
 
 
 
-# Tile shapes (groups, tokens, partial chains), the fastest measured on Zen 3: one token in one group with
-# four partial sums for Q8_0 (whose cheap decode leaves the FMA latency exposed, and two groups spill
-# registers); 4 tokens in one group. One-token Q4 tiles take int8 activations, two groups each (16 rows
-# share the activation loads).
-_q4_0_1, _q4_1_1 = (_make_int8_tile(kind, 2) for kind in (Q4_0, Q4_1))
-_q4_0_4, _q4_1_4, _q8_0_4 = (_make_tile(kind, 1, 4, 2) for kind in (Q4_0, Q4_1, Q8_0))
-_q8_0_1 = _make_tile(Q8_0, 1, 1, 4)
+# Tile shapes, the fastest measured on Zen 3. Q4 int8 tiles: two groups (16 rows share the activation
+# loads) of one token or four. Q8_0: one token with four partial sums (its cheap decode leaves the FMA
+# latency exposed, and two groups spill registers), or four tokens with two.
+_q4_0_int8_1, _q4_1_int8_1, _q4_0_int8_4, _q4_1_int8_4 = (_make_int8_tile(kind, 2, tokens)
+                                                          for tokens in (1, 4) for kind in (Q4_0, Q4_1))
+_q8_0_1, _q8_0_4 = _make_q8_0_tile(1, 4), _make_q8_0_tile(4, 2)
 PANEL_GROUPS = 2  # row groups a panel holds (three measured no faster, and items hold pairs of groups)
 _q4_0_unpack, _q4_1_unpack, _q8_0_unpack = (_make_unpack(kind, PANEL_GROUPS) for kind in (Q4_0, Q4_1, Q8_0))
 # Panel tiles: 2 x 4 accumulators, two weight vectors and a broadcast fill 11 of the 16 vector registers.
 # (A register tile of 8 tokens in one group, one accumulator each, ran at half their rate: a broadcast per
 # FMA, and no slack over the FMA latency.)
 _panel_tile = _make_panel_tile(PANEL_GROUPS, 4)
-# Tokens per step for each path: up to ONE_TOKEN_PASSES, one-token passes over the weights; from
-# PANEL_TOKENS, panels; between, 4-token register tiles. Measured on SmolLM2's layers, 2 threads: panels
-# against register tiles were slower at 3 and 4 tokens, even at 8, 1.15x at 16 and 1.6x at 512.
-ONE_TOKEN_PASSES, PANEL_TOKENS = 2, 8
+# Tokens per step for each path: Q4 weights take int8 tiles up to INT8_TOKENS (a decode step of up to 16
+# sequences) and panels past it; Q8_0 weights take float32 register tiles below PANEL_TOKENS and panels
+# from it. Up to ONE_TOKEN_PASSES, the register tiles are one-token passes over the weights. Measured on
+# SmolLM2's layers, 2 threads: float32 panels against register tiles were slower at 3 and 4 tokens, even
+# at 8, 1.15x at 16 and 1.6x at 512.
+ONE_TOKEN_PASSES, PANEL_TOKENS, INT8_TOKENS = 2, 8, 16
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _tile(kind, tokens, w, g, g_last, x, scratch, t, out):
-    """The tile of this weight type for 1 or 4 tokens."""
+def _int8_tile(kind, tokens, w, g, g_last, x, scratch, t, out):
+    """The int8 tile of this Q4 type for 1 or 4 tokens."""
     if kind == Q4_1:
         if tokens == 1:
-            _q4_1_1(w, g, g_last, x, scratch, t, out)
+            _q4_1_int8_1(w, g, g_last, x, scratch, t, out)
         else:
-            _q4_1_4(w, g, g_last, x, scratch, t, out)
-    elif kind == Q4_0:
-        if tokens == 1:
-            _q4_0_1(w, g, g_last, x, scratch, t, out)
-        else:
-            _q4_0_4(w, g, g_last, x, scratch, t, out)
+            _q4_1_int8_4(w, g, g_last, x, scratch, t, out)
     elif tokens == 1:
-        _q8_0_1(w, g, g_last, x, scratch, t, out)
+        _q4_0_int8_1(w, g, g_last, x, scratch, t, out)
     else:
-        _q8_0_4(w, g, g_last, x, scratch, t, out)
+        _q4_0_int8_4(w, g, g_last, x, scratch, t, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -435,20 +437,30 @@ def _unpack(kind, w, g, g_last, panel):
 
 @njit(cache=True, nogil=True)
 def _groups(kind, w, x, out, g0, g1, scratch):
-    """Row groups g0 .. g1 - 1 against every token, token tiles outer so that the groups' weights stay in
-    cache while the tiles pass (``ONE_TOKEN_PASSES``, ``PANEL_TOKENS``): one-token tiles (Q4: on the int8
-    activations in scratch, ``quantize_activations``); 4-token tiles; or each pair of groups decoded once
-    to a float32 panel (16 rows x n, in cache) that 4-token panel tiles multiply. Tiles past the last
-    token are clamped to it."""
+    """Row groups g0 .. g1 - 1 against every token (see INT8_TOKENS):
+    - Q4 int8 tiles, on the activations in scratch (``quantize_activations``), of one token each up to
+      ONE_TOKEN_PASSES tokens, else of four, a pair of groups meeting all the token tiles while its
+      weights are in L1 (SmolLM2's step at 16 tokens: 1.11-1.13x the float32 panels' speed, against 1.08x
+      with token tiles outer);
+    - Q8_0 register tiles of one token or four, token tiles outer, so that the groups' weights stay in
+      cache while the tiles pass;
+    - or each pair of groups decoded once to a float32 panel (16 rows x n, in cache) that 4-token panel
+      tiles multiply.
+    Tiles past the last token are clamped to it."""
     n_tokens = x.shape[0]
-    if n_tokens <= ONE_TOKEN_PASSES:
-        for t in range(n_tokens):
-            for g in range(g0, g1, 1 if kind == Q8_0 else 2):  # Q4 one-token tiles take two groups
-                _tile(kind, 1, w, g, g1 - 1, x, scratch, t, out)
-    elif n_tokens < PANEL_TOKENS:
-        for t in range(0, n_tokens, 4):
+    if kind != Q8_0 and n_tokens <= INT8_TOKENS:
+        tokens = 1 if n_tokens <= ONE_TOKEN_PASSES else 4
+        for g in range(g0, g1, 2):
+            for t in range(0, n_tokens, tokens):
+                _int8_tile(kind, tokens, w, g, g1 - 1, x, scratch, t, out)
+    elif kind == Q8_0 and n_tokens < PANEL_TOKENS:
+        tokens = 1 if n_tokens <= ONE_TOKEN_PASSES else 4
+        for t in range(0, n_tokens, tokens):
             for g in range(g0, g1):
-                _tile(kind, 4, w, g, g1 - 1, x, scratch, t, out)
+                if tokens == 1:
+                    _q8_0_1(w, g, g1 - 1, x, t, out)
+                else:
+                    _q8_0_4(w, g, g1 - 1, x, t, out)
     else:
         panel = np.empty((x.shape[1], PANEL_GROUPS * GROUP), np.float32)
         for g in range(g0, g1, PANEL_GROUPS):
@@ -461,7 +473,7 @@ def _groups(kind, w, x, out, g0, g1, scratch):
 def quantize_activations(kind: int, x: np.ndarray, scratch: np.ndarray) -> None:
     """What one-token Q4 tiles read: x (of up to ONE_TOKEN_PASSES rows) as int8 in scratch
     ([2, int8.activation_width(x's width)] or wider; ``int8.quantize``). Other kinds and steps: nothing."""
-    if kind != Q8_0 and x.shape[0] <= ONE_TOKEN_PASSES:
+    if kind != Q8_0 and x.shape[0] <= INT8_TOKENS:
         int8.quantize(x, scratch)
 
 
@@ -498,7 +510,7 @@ def linear_pairs(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, 
     _groups(kind, blocks, x, out, g0, g1, scratch)
     if p1 < linear_items_most(n_rows) or n_rows % GROUP == 0:
         return g0 * GROUP, g1 * GROUP
-    if kind != Q8_0 and x.shape[0] <= ONE_TOKEN_PASSES:  # these rows see what the tiles saw
+    if kind != Q8_0 and x.shape[0] <= INT8_TOKENS:  # these rows see what the tiles saw
         x = int8.dequantize(x, scratch)
     weights = np.empty(x.shape[1], np.float32)
     for row in range(full_groups * GROUP, n_rows):
@@ -524,7 +536,7 @@ def linear(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray) -> Non
             or out.shape != (x.shape[0], blocks.shape[0])):
         raise ValueError("linear: weight, activation and output shapes disagree")
     n_items = linear_items(blocks.shape[0], x)
-    scratch = np.empty((2, int8.activation_width(x.shape[1])), np.float32)
+    scratch = np.empty((INT8_TOKENS, int8.activation_width(x.shape[1])), np.float32)
     quantize_activations(kind, x, scratch)
     if n_items == 1:  # the calling thread alone beats waking the others
         linear_item(kind, blocks, x, out, 0, 1, scratch)
