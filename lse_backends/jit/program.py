@@ -231,7 +231,8 @@ def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tok
     widest = 0
     for a in acts:
         widest = max(widest, a.shape[1])
-    scratch = np.empty((quant.INT8_TOKENS, int8.activation_width(widest)), np.float32)  # its int8 activations
+    # this thread's int8 activations, for the step's rows up to INT8_TOKENS
+    scratch = np.empty((min(quant.INT8_TOKENS, tokens.shape[0]), int8.activation_width(widest)), np.float32)
     quantized_for = -1  # the instruction they are for
     before, before_items = -1, 0  # the task before: its done counter and item count
     for k in range(code.shape[0]):
