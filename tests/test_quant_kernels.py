@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
-import lse_backends.jit.int8 as int8
 import lse_backends.jit.quant as quant
 
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
@@ -48,8 +47,8 @@ def int8_activations(x: np.ndarray) -> np.ndarray:
 
 
 def seen_by_kernels(qtype: str, x: np.ndarray) -> np.ndarray:
-    """The activations a product is exact for: int8 ones for Q4 weights at one or two tokens (one-token
-    passes), float32 otherwise."""
+    """The activations a product is exact for: int8 ones for Q4 weights in steps of up to INT8_TOKENS
+    tokens, float32 otherwise."""
     return int8_activations(x) if qtype != "Q8_0" and len(x) <= quant.INT8_TOKENS else x
 
 
@@ -170,13 +169,12 @@ def test_portable_ir_gives_the_same_floats(tmp_path):
         np.save(tmp_path / f"{qtype}.npy", laid_out)
         for tokens in (1, 3, 16):
             out = np.full((tokens, 40), np.nan, np.float32)
-            scratch = np.empty((quant.INT8_TOKENS, int8.activation_width(96)), np.float32)
+            scratch = quant.activation_scratch(tokens, 96)
             quant.quantize_activations(kind, x[:tokens], scratch)
             quant._groups(kind, laid_out, x[:tokens], out, 0, 5, scratch)
             expected[qtype, tokens] = out
     script = (
         "import sys, numpy as np\n"
-        "import lse_backends.jit.int8 as int8\n"
         "import lse_backends.jit.quant as quant\n"
         "assert not quant.AVX2\n"
         "d = sys.argv[1]; x = np.load(d + '/x.npy')\n"
@@ -184,7 +182,7 @@ def test_portable_ir_gives_the_same_floats(tmp_path):
         "    for t in (1, 3, 16):\n"
         "        out = np.full((t, 40), np.nan, np.float32)\n"
         "        w = np.load(f'{d}/{q}.npy'); w.flags.writeable = False\n"
-        "        scratch = np.empty((quant.INT8_TOKENS, int8.activation_width(96)), np.float32)\n"
+        "        scratch = quant.activation_scratch(t, 96)\n"
         "        quant.quantize_activations(quant.KINDS[q], x[:t], scratch)\n"
         "        quant._groups(quant.KINDS[q], w, x[:t], out, 0, 5, scratch)\n"
         "        np.save(f'{d}/{q}.{t}.npy', out)\n"

@@ -1,9 +1,10 @@
-"""int8 activations, as llama.cpp's Q8_1: the jit device's one-token Q4 tiles (quant.py) multiply the
-weights' nibbles by int8 activations with pmaddubsw, each block of 32 activations x as xs * xq, xq =
-rint(x * 127 / max|x|) (half to even), xs = max|x| / 127. ``quantize`` writes them, once per product and
-thread, to a float32 scratch row per token: [xs per block | xs * sum(xq) per block | 256 bytes per block,
-the int8 values in pairs, each pair once per row of a weight group, in the order the tiles load them].
-Laid out so, a tile's activation operand is a plain 32-byte load that serves both its row groups."""
+"""int8 activations, as llama.cpp's Q8_1: the jit device's Q4 tiles for steps of up to 16 tokens
+(quant.py) multiply the weights' nibbles by int8 activations with pmaddubsw, each block of 32 activations
+x as xs * xq, xq = rint(x * 127 / max|x|) (half to even), xs = max|x| / 127. ``quantize`` writes them,
+once per product and thread, to a float32 scratch row per token: [xs per block | xs * sum(xq) per block |
+256 bytes per block, the int8 values in pairs, each pair once per row of a weight group, in the order the
+tiles load them]. Laid out so, a tile's activation operand is a plain 32-byte load that serves both its
+row groups."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from numba.core.errors import NumbaPendingDeprecationWarning
 
 from lse_core.graph.ir import Step
 
-from . import atomics, attention, int8, kernels, quant
+from . import atomics, attention, kernels, quant
 
 # instruction ops
 EMBED, EMBED_Q, RMS_NORM, LINEAR, LINEAR_Q, ROPE, ATTENTION, FUSED, LAST_ROWS = range(9)
@@ -231,8 +231,7 @@ def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tok
     widest = 0
     for a in acts:
         widest = max(widest, a.shape[1])
-    # this thread's int8 activations, for the step's rows up to INT8_TOKENS
-    scratch = np.empty((min(quant.INT8_TOKENS, tokens.shape[0]), int8.activation_width(widest)), np.float32)
+    scratch = quant.activation_scratch(tokens.shape[0], widest)  # this thread's int8 activations
     quantized_for = -1  # the instruction they are for
     before, before_items = -1, 0  # the task before: its done counter and item count
     for k in range(code.shape[0]):

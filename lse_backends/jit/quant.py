@@ -4,8 +4,8 @@ of the weights). Activations are float32, except where a step of up to INT8_TOKE
 meets Q4 weights: there each block of 32 activations is quantized to int8, as llama.cpp's Q8_1, and the
 nibbles multiply the activation bytes in 16-bit integer lanes (a one-token pass then does half the vector
 work per weight byte; SmolLM2's whole step at 8 and 16 sequences is 1.17x and 1.13x faster than through
-float32 panels). The jit
-device decodes other GGUF types (Q4_K, Q6_K, Q5_0...) exactly to float32 once at load.
+float32 panels). The jit device decodes other GGUF types (Q4_K, Q6_K, Q5_0...) exactly to float32 once
+at load.
 
 Layout. ``prepare`` re-lays a weight once at load into a new array of the same shape and bytes: rows go
 in groups of GROUP = 8, and block b of a group's rows is stored as one group block: the eight rows' f16
@@ -470,9 +470,16 @@ def _groups(kind, w, x, out, g0, g1, scratch):
 
 
 @njit(cache=True, nogil=True)
+def activation_scratch(n_tokens: int, width: int) -> np.ndarray:
+    """Scratch for ``quantize_activations`` of up to n_tokens rows of up to ``width`` activations (a
+    thread's own: each thread quantizes what it multiplies)."""
+    return np.empty((min(INT8_TOKENS, n_tokens), int8.activation_width(width)), np.float32)
+
+
+@njit(cache=True, nogil=True)
 def quantize_activations(kind: int, x: np.ndarray, scratch: np.ndarray) -> None:
-    """What one-token Q4 tiles read: x (of up to ONE_TOKEN_PASSES rows) as int8 in scratch
-    ([2, int8.activation_width(x's width)] or wider; ``int8.quantize``). Other kinds and steps: nothing."""
+    """What the Q4 int8 tiles read: x (of up to INT8_TOKENS rows) as int8 in scratch (``activation_scratch``;
+    ``int8.quantize``). Other kinds and steps: nothing."""
     if kind != Q8_0 and x.shape[0] <= INT8_TOKENS:
         int8.quantize(x, scratch)
 
@@ -536,7 +543,7 @@ def linear(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray) -> Non
             or out.shape != (x.shape[0], blocks.shape[0])):
         raise ValueError("linear: weight, activation and output shapes disagree")
     n_items = linear_items(blocks.shape[0], x)
-    scratch = np.empty((INT8_TOKENS, int8.activation_width(x.shape[1])), np.float32)
+    scratch = activation_scratch(x.shape[0], x.shape[1])
     quantize_activations(kind, x, scratch)
     if n_items == 1:  # the calling thread alone beats waking the others
         linear_item(kind, blocks, x, out, 0, 1, scratch)
