@@ -20,10 +20,12 @@ Arithmetic, in LLVM vector IR emitted through numba ``@intrinsic``s (numba's own
 nibbles to int64 and do not vectorize), per tile of row groups x tokens:
   int8        (Q4, steps of up to INT8_TOKENS) x = xs * xq per block (``quantize_activations``, once per
               call), t = sum_i q_i * xq_i exactly in 16-bit lanes (pmaddubsw: nibbles times activation
-              bytes, a row's two elements per lane), then acc += d * xs * t and acc_off += m * s (Q4_1)
-              or d * s (Q4_0, times -8 at the end), s = xs * sum_i xq_i. Tiles of two groups x one
-              token (up to ONE_TOKEN_PASSES tokens) or x four tokens.
-  one token   (Q8_0) t = sum_i q_i * x_i in float32 (four partial chains), acc += d * t.
+              bytes, a row's two elements per lane), then acc += d * xs * t + m * s (Q4_1) or
+              d * (xs * t - 8 * s) (Q4_0), s = xs * sum_i xq_i. Tiles of one group x one token (up to
+              ONE_TOKEN_PASSES tokens) or x four tokens.
+  one token   (Q8_0) t = sum_i q_i * x_i in float32 (four partial chains), acc += d * t. Q8_0 keeps
+              float32 activations: it is the output layer of Q4 checkpoints, and int8 ones there (tried:
+              1.15x faster at one token) flip near-tied next tokens, SmolLM2's first answer token among them.
   4 tokens    (Q8_0 up to PANEL_TOKENS) w_i = d * q_i, then acc_c += w_i * x_ci: each block is decoded
               once for all the tile's tokens.
   panels      (steps of PANEL_TOKENS or more) a pair of row groups is decoded once, the same w_i, to a
@@ -231,13 +233,13 @@ def _row_sums(builder: ir.IRBuilder, pairs: ir.Value) -> ir.Value:
     return builder.add(*(builder.sext(half, v8i32) for half in halves))
 
 
-def _make_int8_tile(kind: int, n_groups: int, n_tokens: int):
-    """An intrinsic ``tile(w, g, g_last, x, scratch, t, out)`` for Q4_0 and Q4_1: out[t + c, rows of groups
-    g + k], c < n_tokens, k < n_groups (clamped to x's last row and g_last, as the float tiles), from the
-    int8 activations ``quantize_activations`` wrote to scratch for x. Per block: sum_i q_i xq_i exactly in
-    integers (pmaddubsw: the nibbles times the activation bytes, sixteen 16-bit sums per instruction, each
-    nibble vector meeting every token), then acc += d * xs * that, and acc_off += (m, or d for Q4_0 times
-    -8 at the end) * xs * sum_i xq_i: x @ W.T for x = xs * xq."""
+def _make_int8_tile(kind: int, n_tokens: int):
+    """An intrinsic ``tile(w, g, g_last, x, scratch, t, out)`` for Q4_0 and Q4_1: out[t + c, rows of group
+    g], c < n_tokens (clamped to x's last row and g_last, as the float tiles), from the int8 activations
+    ``quantize_activations`` wrote to scratch for x. Per block: dot = sum_i q_i xq_i exactly in integers
+    (``_q4_dots``), then acc += d xs dot, plus m xs sum_i xq_i (Q4_1) or -8 d xs sum_i xq_i (Q4_0):
+    x @ W.T for x = xs * xq. One group a tile: two groups' accumulators, products and activations spilled
+    the 16 vector registers, and ran 1.15-1.3x slower at 4 to 16 tokens."""
     block_bytes, header_bytes = LAYOUT[kind]
     group_block = GROUP * block_bytes
 
@@ -250,59 +252,57 @@ def _make_int8_tile(kind: int, n_groups: int, n_tokens: int):
         def codegen(context, builder, signature, args):
             w_a, x_a, scratch_a, out_a = (context.make_array(signature.args[i])(context, builder, args[i])
                                           for i in (0, 3, 4, 6))
-            first_group, last_group, first_token = (context.cast(builder, args[i], signature.args[i], types.intp)
-                                                    for i in (1, 2, 5))
+            group, last_group, first_token = (context.cast(builder, args[i], signature.args[i], types.intp)
+                                              for i in (1, 2, 5))
             last_token = builder.sub(builder.extract_value(x_a.shape, 0), integer(1))
-            groups = [clamp(builder, builder.add(first_group, integer(k)), last_group) for k in range(n_groups)]
             tokens = [clamp(builder, builder.add(first_token, integer(c)), last_token) for c in range(n_tokens)]
-            group_rows = [builder.mul(group, integer(GROUP)) for group in groups]
-            weights = [row_pointer(builder, w_a, r, i8) for r in group_rows]
+            group_row = builder.mul(clamp(builder, group, last_group), integer(GROUP))
+            weights = row_pointer(builder, w_a, group_row, i8)
             n_blocks = builder.lshr(builder.extract_value(x_a.shape, 1), integer(5))
             scales = [row_pointer(builder, scratch_a, c, f32) for c in tokens]  # a row's layout: int8.quantize
             sums = [builder.gep(row, [n_blocks]) for row in scales]
             patterns = [builder.bitcast(builder.gep(row, [n_blocks]), i8.as_pointer()) for row in sums]
-            zero = ir.Constant(v8f32, None)
-            accs = [[cgutils.alloca_once_value(builder, zero) for _ in tokens] for _ in groups]
-            offsets = [[cgutils.alloca_once_value(builder, zero) for _ in tokens] for _ in groups]
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(v8f32, None)) for _ in tokens]
             with cgutils.for_range(builder, n_blocks) as loop:
                 b = loop.index
-                block_patterns = [builder.gep(row, [builder.mul(b, integer(int8.PATTERN_BYTES * BLOCK))])
-                                  for row in patterns]
-                blocks = [builder.gep(w_k, [builder.mul(b, integer(group_block))]) for w_k in weights]
-                for block in blocks:
-                    _prefetch_ahead(builder, block, group_block)
-                dots = [[None] * n_tokens for _ in groups]  # at most 8 * 3810 in a 16-bit lane
-                for p in range(BLOCK // 2 // 4):  # four bytes of the rows per load: 2 x 4 elements each
-                    nibbles = []
-                    for block in blocks:
-                        raw = load(builder, builder.gep(block, [integer(GROUP * header_bytes)]), 32 * p, v32i8)
-                        raw = builder.shuffle_vector(raw, ir.Constant(v32i8, None), ROWS_PAIRED)
-                        nibbles.append((builder.and_(raw, vector(15, v32i8)), builder.lshr(raw, vector(4, v32i8))))
-                    for c in range(n_tokens):
-                        low, high = (load(builder, block_patterns[c], 32 * (2 * p + h), v32i8) for h in (0, 1))
-                        for k, (low_nibbles, high_nibbles) in enumerate(nibbles):
-                            both = builder.add(_pair_products(builder, low_nibbles, low),
-                                               _pair_products(builder, high_nibbles, high))
-                            dots[k][c] = both if dots[k][c] is None else builder.add(dots[k][c], both)
-                for k, block in enumerate(blocks):
-                    d = _scales(builder, block)
-                    m = _scales(builder, builder.gep(block, [integer(2 * GROUP)])) if kind == Q4_1 else d
-                    for c in range(n_tokens):
-                        dot = builder.sitofp(_row_sums(builder, dots[k][c]), v8f32)
-                        x_scale = splat(builder, builder.load(builder.gep(scales[c], [b])))
-                        x_sum = splat(builder, builder.load(builder.gep(sums[c], [b])))
-                        builder.store(fma(builder, builder.fmul(d, x_scale), dot, builder.load(accs[k][c])), accs[k][c])
-                        builder.store(fma(builder, m, x_sum, builder.load(offsets[k][c])), offsets[k][c])
-            for k in range(n_groups):
-                for c in range(n_tokens):
-                    offset = builder.load(offsets[k][c])
-                    offset = offset if kind == Q4_1 else builder.fmul(offset, vector(-8.0))
-                    store(builder, out_a, tokens[c], group_rows[k], builder.fadd(builder.load(accs[k][c]), offset))
+                block = builder.gep(weights, [builder.mul(b, integer(group_block))])
+                _prefetch_ahead(builder, block, group_block)
+                pattern_block = builder.mul(b, integer(int8.PATTERN_BYTES * BLOCK))
+                dots = _q4_dots(builder, builder.gep(block, [integer(GROUP * header_bytes)]),
+                                [builder.gep(row, [pattern_block]) for row in patterns])
+                d = _scales(builder, block)
+                m = _scales(builder, builder.gep(block, [integer(2 * GROUP)])) if kind == Q4_1 else None
+                for c, acc_c in enumerate(accs):
+                    dot = builder.sitofp(dots[c], v8f32)
+                    x_scale, x_sum = (splat(builder, builder.load(builder.gep(r[c], [b]))) for r in (scales, sums))
+                    if kind == Q4_1:  # acc += d xs dot + m xs sum(xq)
+                        acc = fma(builder, builder.fmul(d, x_scale), dot, fma(builder, m, x_sum, builder.load(acc_c)))
+                    else:  # acc += d (xs dot - 8 xs sum(xq))
+                        acc = fma(builder, d, fma(builder, x_scale, dot, builder.fmul(x_sum, vector(-8.0))),
+                                  builder.load(acc_c))
+                    builder.store(acc, acc_c)
+            for c, acc_c in zip(tokens, accs):
+                store(builder, out_a, c, group_row, builder.load(acc_c))
             return context.get_dummy_value()
 
         return sig, codegen
 
     return tile
+
+
+def _q4_dots(builder: ir.IRBuilder, quants: ir.Value, patterns: list[ir.Value]) -> list[ir.Value]:
+    """Per token, <8 x i32>: each row's sum of its block's nibbles (at ``quants``) times the token's
+    activation bytes (the block's 256 pattern bytes), in 16-bit lanes (at most 8 * 3810: exact) added per
+    row at the end. Each nibble vector loaded meets every token."""
+    dots = [None] * len(patterns)
+    for p in range(BLOCK // 2 // 4):  # four bytes of the rows per load: 2 x 4 elements each
+        raw = builder.shuffle_vector(load(builder, quants, 32 * p, v32i8), ir.Constant(v32i8, None), ROWS_PAIRED)
+        low_nibbles, high_nibbles = builder.and_(raw, vector(15, v32i8)), builder.lshr(raw, vector(4, v32i8))
+        for c, block_patterns in enumerate(patterns):
+            low, high = (load(builder, block_patterns, 32 * (2 * p + h), v32i8) for h in (0, 1))
+            both = builder.add(_pair_products(builder, low_nibbles, low), _pair_products(builder, high_nibbles, high))
+            dots[c] = both if dots[c] is None else builder.add(dots[c], both)
+    return [_row_sums(builder, dot) for dot in dots]
 
 
 def _make_unpack(kind: int, n_groups: int):
@@ -390,10 +390,10 @@ def _prefetch_ahead(builder: ir.IRBuilder, block: ir.Value, group_block: int) ->
 
 
 
-# Tile shapes, the fastest measured on Zen 3. Q4 int8 tiles: two groups (16 rows share the activation
-# loads) of one token or four. Q8_0: one token with four partial sums (its cheap decode leaves the FMA
-# latency exposed, and two groups spill registers), or four tokens with two.
-_q4_0_int8_1, _q4_1_int8_1, _q4_0_int8_4, _q4_1_int8_4 = (_make_int8_tile(kind, 2, tokens)
+# Tile shapes, the fastest measured on Zen 3. Q4 int8 tiles: one group of one token or four (above).
+# Q8_0: one token with four partial sums (its cheap decode leaves the FMA latency exposed, and two
+# groups spill registers), or four tokens with two.
+_q4_0_int8_1, _q4_1_int8_1, _q4_0_int8_4, _q4_1_int8_4 = (_make_int8_tile(kind, tokens)
                                                           for tokens in (1, 4) for kind in (Q4_0, Q4_1))
 _q8_0_1, _q8_0_4 = _make_q8_0_tile(1, 4), _make_q8_0_tile(4, 2)
 PANEL_GROUPS = 2  # row groups a panel holds (three measured no faster, and items hold pairs of groups)
@@ -439,9 +439,8 @@ def _unpack(kind, w, g, g_last, panel):
 def _groups(kind, w, x, out, g0, g1, scratch):
     """Row groups g0 .. g1 - 1 against every token (see INT8_TOKENS):
     - Q4 int8 tiles, on the activations in scratch (``quantize_activations``), of one token each up to
-      ONE_TOKEN_PASSES tokens, else of four, a pair of groups meeting all the token tiles while its
-      weights are in L1 (SmolLM2's step at 16 tokens: 1.11-1.13x the float32 panels' speed, against 1.08x
-      with token tiles outer);
+      ONE_TOKEN_PASSES tokens, else of four, a group meeting all the token tiles while its weights are in
+      L1;
     - Q8_0 register tiles of one token or four, token tiles outer, so that the groups' weights stay in
       cache while the tiles pass;
     - or each pair of groups decoded once to a float32 panel (16 rows x n, in cache) that 4-token panel
@@ -450,7 +449,7 @@ def _groups(kind, w, x, out, g0, g1, scratch):
     n_tokens = x.shape[0]
     if kind != Q8_0 and n_tokens <= INT8_TOKENS:
         tokens = 1 if n_tokens <= ONE_TOKEN_PASSES else 4
-        for g in range(g0, g1, 2):
+        for g in range(g0, g1):
             for t in range(0, n_tokens, tokens):
                 _int8_tile(kind, tokens, w, g, g1 - 1, x, scratch, t, out)
     elif kind == Q8_0 and n_tokens < PANEL_TOKENS:
