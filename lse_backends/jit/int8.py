@@ -3,8 +3,8 @@
 x as xs * xq, xq = rint(x * 127 / max|x|) (half to even), xs = max|x| / 127. ``quantize`` writes them,
 once per product and thread, to a float32 scratch row per token: [xs per block | xs * sum(xq) per block |
 256 bytes per block, the int8 values in pairs, each pair once per row of a weight group, in the order the
-tiles load them]. Laid out so, a tile's activation operand is a plain 32-byte load that serves both its
-row groups."""
+tiles load them]. Laid out so, a tile's activation operand is a plain 32-byte load that meets the eight
+rows of its weight group at once."""
 
 from __future__ import annotations
 

@@ -390,7 +390,7 @@ def _prefetch_ahead(builder: ir.IRBuilder, block: ir.Value, group_block: int) ->
 
 
 
-# Tile shapes, the fastest measured on Zen 3. Q4 int8 tiles: one group of one token or four (above).
+# Tile shapes, the fastest measured on Zen 3. Q4 int8 tiles: one group of one token or four (why: their doc).
 # Q8_0: one token with four partial sums (its cheap decode leaves the FMA latency exposed, and two
 # groups spill registers), or four tokens with two.
 _q4_0_int8_1, _q4_1_int8_1, _q4_0_int8_4, _q4_1_int8_4 = (_make_int8_tile(kind, tokens)
