@@ -11,7 +11,7 @@ import pytest
 from checkpoints import cpu_plan, lse_greedy, prompt_ids
 
 from lse_core.engine.engine import Engine
-from lse_core.engine.sequence import SeqParams
+from lse_core.engine.sequence import Delta, SeqParams, Sequence
 from lse_core.errors import LSEError
 from lse_core.model.files import load_hf
 from lse_core.sampling import NEUTRAL_SAMPLING
@@ -65,9 +65,14 @@ def test_more_requests_than_slots_wait_and_all_finish(model, llama_checkpoint):
 def test_queue_full_is_503(model, llama_checkpoint):
     prompt = prompt_ids(llama_checkpoint, PROMPTS[0])
     engine = Engine(cpu_plan(model, kv_slots=1), model.tokenizer, n_slots=1, max_queue=1, prefill_chunk=64)
+    started, release = threading.Event(), threading.Event()
+
+    def hold(seq: Sequence, delta: Delta) -> None:     # the engine thread waits here: the slot stays taken
+        started.set()
+        release.wait(60)
+
     try:
-        started = threading.Event()
-        running = engine.submit(greedy(prompt, 100_000), lambda s, d: started.set(), lambda s: None)
+        running = engine.submit(greedy(prompt, 4), hold, lambda s: None)
         assert started.wait(60)                      # it holds the only slot
         waiting = engine.submit(greedy(prompt, 4), lambda s, d: None, lambda s: None)
         with pytest.raises(LSEError) as info:
@@ -76,6 +81,7 @@ def test_queue_full_is_503(model, llama_checkpoint):
         engine.cancel(running)
         engine.cancel(waiting)
     finally:
+        release.set()
         engine.close()
 
 
@@ -84,16 +90,26 @@ def test_cancel_frees_the_slot_and_prefix_is_reused(model, llama_checkpoint):
     engine = Engine(cpu_plan(model, kv_slots=1), model.tokenizer, n_slots=1, max_queue=4, prefill_chunk=64)
     try:
         finished = threading.Event()
-        started = threading.Event()
-        seq = engine.submit(greedy(prompt, 10_000), lambda s, d: started.set(), lambda s: finished.set())
-        assert started.wait(60)
-        engine.cancel(seq)
-        assert finished.wait(10)
+        # cancelled from its first token's callback, so it cannot end first by filling the context
+        seq = engine.submit(greedy(prompt, engine.plan.ctx.kv_len - len(prompt)), lambda s, d: engine.cancel(s),
+                            lambda s: finished.set())
+        assert finished.wait(60)
         assert seq.stop_reason == "cancelled" and seq.finish_reason is None
         assert engine.scheduler.slots.n_free == 1
         again = run(engine, [greedy(prompt, 5)])[0]
         assert again.cached == len(prompt) - 1          # the slot still held this prompt's K/V
         assert again.output == lse_greedy(model, prompt, 5)[0]
+    finally:
+        engine.close()
+
+
+def test_a_reply_that_could_outgrow_the_context_is_refused(model, llama_checkpoint):
+    prompt = prompt_ids(llama_checkpoint, PROMPTS[0])
+    engine = Engine(cpu_plan(model, kv_slots=1), model.tokenizer, n_slots=1, max_queue=1, prefill_chunk=64)
+    try:
+        with pytest.raises(ValueError, match="exceed the context of 128"):
+            engine.submit(greedy(prompt, 129 - len(prompt)), lambda s, d: None, lambda s: None)
+        assert run(engine, [greedy(prompt, 128 - len(prompt))])[0].stop_reason == "max_tokens"
     finally:
         engine.close()
 

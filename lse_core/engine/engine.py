@@ -33,7 +33,11 @@ class Engine:
     def submit(self, params: SeqParams, on_delta: Callable[[Sequence, Delta], None],
                on_finish: Callable[[Sequence], None]) -> Sequence:
         """Queue a sequence; raises LSEError (503 when the queue is full, 500 when it needs a
-        group that may not run because CPU fallback is refused)."""
+        group that may not run because CPU fallback is refused). The caller bounds the reply by the
+        context (lse_core.limits); a sequence that could outgrow its KV slot is a caller's bug."""
+        if len(params.prompt) + params.max_new_tokens > self.plan.ctx.kv_len:
+            raise ValueError(f"{len(params.prompt)} prompt + {params.max_new_tokens} reply tokens exceed "
+                             f"the context of {self.plan.ctx.kv_len}")
         refusal = self.plan.refusal(_sampling_ops(params))
         if refusal is not None:
             raise server_error(f"CPU fallback disabled: {refusal}")

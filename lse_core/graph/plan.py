@@ -54,9 +54,11 @@ class StepOutput:
 
 
 class Plan:
-    def __init__(self, placements: list[Placement], output: str, on_fallback: Callable[[str], None]) -> None:
+    def __init__(self, placements: list[Placement], output: str, ctx: CompileContext,
+                 on_fallback: Callable[[str], None]) -> None:
         self.placements = placements
         self.output = output
+        self.ctx = ctx            # what the kernels were compiled for: slots, positions, rows
         self._on_fallback = on_fallback
         self.stages = _link(placements, output)
 
@@ -78,7 +80,7 @@ class Plan:
             placements.append(_place(group, _preference(group, pool, graph.n_layers), graph, ctx, fallback_device,
                                      allow_fallback))
             after_group()
-        return cls(placements, graph.output, on_fallback)
+        return cls(placements, graph.output, ctx, on_fallback)
 
     def run(self, step: Step, want_logits: bool = False) -> StepOutput:
         values: dict[str, tuple[Device, Any]] = {}
