@@ -279,9 +279,9 @@ class _ReplyBuilder:
         return calls
 
     def _logprob(self, entry: dict[str, Any]) -> protocol.TokenLogprob:
-        decode = self.lse.model.tokenizer.decode
-        return protocol.TokenLogprob(decode([entry["token"]]), entry["logprob"],
-                                     [(decode([t]), lp) for t, lp in entry["top"]])
+        spell = self.lse.model.tokenizer.token_bytes
+        return protocol.TokenLogprob(spell(entry["token"]), entry["logprob"],
+                                     [(spell(t), lp) for t, lp in entry["top"]])
 
 
 def _tool_call_parser(lse: LSE, req: protocol.GenerationRequest) -> ToolCallParser | None:

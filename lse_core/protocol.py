@@ -4,7 +4,7 @@ client sees the same JSON either way. An error, streamed or not, is ``LSEError.b
 
 What the engine side fills in:
 
-  TokenLogprob  one reply token: its text, log-probability, and the top alternatives (text, logprob)
+  TokenLogprob  one reply token: its bytes, log-probability, and the top alternatives (bytes, logprob)
   Choice        the reply: text (with echo, the prompt text first), reasoning (the <think> text, None
                 when the reply had no reasoning), tool_calls (OpenAI's message.tool_calls entries),
                 stop_reason (stop_token, stop_sequence, max_tokens, context_full or cancelled; the
@@ -25,6 +25,7 @@ several prompts in one request are refused.
 
 from __future__ import annotations
 
+import codecs
 import math
 import time
 import uuid
@@ -369,9 +370,39 @@ def _json_type(value: Any) -> str:
 
 @dataclass
 class TokenLogprob:
-    token: str
+    token: bytes                                    # what it adds to the text: maybe part of a character
     logprob: float | None                           # None for an echoed prompt's first token
-    top: list[tuple[str, float]] = field(default_factory=list)
+    top: list[tuple[bytes, float]] = field(default_factory=list)
+
+
+def token_text(token: bytes) -> str:
+    """A token as logprobs name it. One that holds part of a UTF-8 character is named as OpenAI does,
+    "bytes:" and its bytes escaped ("bytes:\\xe2\\x80"), so two such tokens never share a name."""
+    try:
+        return token.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + token.decode("utf-8", errors="backslashreplace")
+
+
+class TextOffsets:
+    """Completion logprobs' text_offset: the character of the text (decoded with U+FFFD for bad
+    bytes) where each token's first byte lands. Bytes of an unfinished character wait in the decoder:
+    a token that continues them starts inside that character; any other ends it as U+FFFD first."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chars = 0     # characters the decoder has given out
+
+    def of(self, tokens: list[TokenLogprob]) -> list[int]:
+        offsets = []
+        for t in tokens:
+            waiting = self._decoder.getstate()[0]
+            ended = len(waiting.decode("utf-8", errors="replace"))
+            if waiting and len((waiting + t.token[:1]).decode("utf-8", errors="replace")) == ended:
+                ended -= 1      # the first byte continues the waiting character
+            offsets.append(self._chars + ended)
+            self._chars += len(self._decoder.decode(t.token))
+        return offsets
 
 
 @dataclass
@@ -457,7 +488,7 @@ class Reply:
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._role_sent = False    # a chat stream's first chunk carries the role
-        self._streamed_chars = 0   # a stream's completion logprobs count text_offset across chunks
+        self._stream_offsets = TextOffsets()   # a stream's text_offset counts across chunks
 
     def response(self, outcome: Outcome) -> dict[str, Any]:
         """A chat.completion or text_completion object."""
@@ -475,7 +506,7 @@ class Reply:
             if choice.reasoning is not None:
                 shaped["reasoning_content"] = choice.reasoning
         shaped |= {"finish_reason": finish_reason(choice), "stop_reason": choice.stop_reason,
-                   "logprobs": self._logprobs(choice.logprobs or [], 0)}
+                   "logprobs": self._logprobs(choice.logprobs or [], TextOffsets())}
         body = self._envelope("chat.completion" if self.chat else "text_completion", [shaped])
         body["usage"] = outcome.usage.to_json()
         return body | self._closing(outcome)
@@ -499,9 +530,8 @@ class Reply:
             shaped = {"index": 0, "text": text}
             if reasoning:
                 shaped["reasoning_content"] = reasoning
-        shaped |= {"logprobs": self._logprobs(logprobs or [], self._streamed_chars),
+        shaped |= {"logprobs": self._logprobs(logprobs or [], self._stream_offsets),
                    "finish_reason": None, "stop_reason": None}
-        self._streamed_chars += sum(len(t.token) for t in logprobs or [])
         return self._stream_envelope([shaped])
 
     def final_chunks(self, outcome: Outcome) -> list[dict[str, Any]]:
@@ -538,24 +568,21 @@ class Reply:
             closing["lse_warnings"] = [w.to_json() for w in outcome.warnings]
         return closing
 
-    def _logprobs(self, tokens: list[TokenLogprob], text_offset: int) -> dict[str, Any] | None:
+    def _logprobs(self, tokens: list[TokenLogprob], offsets: TextOffsets) -> dict[str, Any] | None:
         """OpenAI's logprobs object for these tokens; null when the request asked for none."""
         if not self.request.logprobs:
             return None
         if self.chat:
             return {"content": [_chat_logprob(t.token, t.logprob) | {
-                "top_logprobs": [_chat_logprob(text, logprob) for text, logprob in t.top]} for t in tokens],
+                "top_logprobs": [_chat_logprob(token, logprob) for token, logprob in t.top]} for t in tokens],
                 "refusal": None}
-        offsets = []
-        for t in tokens:
-            offsets.append(text_offset)
-            text_offset += len(t.token)
-        return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [dict(t.top) for t in tokens], "text_offset": offsets}
+        return {"tokens": [token_text(t.token) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{token_text(token): logprob for token, logprob in t.top} for t in tokens],
+                "text_offset": offsets.of(tokens)}
 
 
-def _chat_logprob(token: str, logprob: float | None) -> dict[str, Any]:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+def _chat_logprob(token: bytes, logprob: float | None) -> dict[str, Any]:
+    return {"token": token_text(token), "logprob": logprob, "bytes": list(token)}
 
 
 def model_entry(model_id: str, created: int, context_length: int, thinking: dict[str, Any],

@@ -590,33 +590,57 @@ def test_chat_logprobs_in_openais_shape(lse: LSE, base: Path, chat_prompt) -> No
     assert len(entries) == 4
     for entry in entries:
         assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
-        assert entry["bytes"] == list(entry["token"].encode("utf-8"))
+        assert entry["token"] in (bytes(entry["bytes"]).decode("utf-8", errors="ignore"),
+                                  "bytes:" + bytes(entry["bytes"]).decode("utf-8", errors="backslashreplace"))
         top = entry["top_logprobs"]
         assert len(top) == 3 and all(set(t) == {"token", "logprob", "bytes"} for t in top)
         assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
         assert (entry["token"], entry["logprob"]) == (top[0]["token"], top[0]["logprob"])  # greedy: the best
     ids, logits = hf_reference(base, chat_prompt, 4)
     expected = log_softmax(logits[0])
-    assert entries[0]["token"] == vocab(base).decode([ids[0]])
+    assert [e["bytes"] for e in entries] == [list(byte_level_bytes(base, i)) for i in ids]
     assert entries[0]["logprob"] == pytest.approx(expected[ids[0]], abs=1e-4)
     best = np.argsort(-expected)[:3]
     assert [t["logprob"] for t in entries[0]["top_logprobs"]] == pytest.approx(expected[best].tolist(), abs=1e-4)
     chunks, _ = streamed(lse, body)
-    assert [e for c in chunks for e in (c["choices"][0]["logprobs"] or {"content": []})["content"]] == entries
+    # the same tokens; the logprobs to rounding, as the stream may reuse the cached prompt
+    streamed_entries = [e for c in chunks for e in (c["choices"][0]["logprobs"] or {"content": []})["content"]]
+    assert flat_logprobs(streamed_entries) == pytest.approx(flat_logprobs(entries), abs=1e-6)
+    assert [(e["bytes"], [t["bytes"] for t in e["top_logprobs"]]) for e in streamed_entries] == \
+        [(e["bytes"], [t["bytes"] for t in e["top_logprobs"]]) for e in entries]
+
+
+def flat_logprobs(entries: list[dict[str, Any]]) -> list[float]:
+    return [lp for e in entries for lp in (e["logprob"], *(t["logprob"] for t in e["top_logprobs"]))]
+
+
+def byte_level_bytes(model: Path, token: int) -> bytes:
+    """A byte-level vocabulary's token as bytes, through transformers' own byte alphabet."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = {c: b for b, c in bytes_to_unicode().items()}
+    return bytes(alphabet[c] for c in vocab(model).id_to_token(token))
 
 
 def test_completion_logprobs_in_openais_shape(lse: LSE, base: Path, text_prompt) -> None:
-    # Two tokens: this prompt's third greedy token is a lone UTF-8 byte (see the report on byte tokens).
-    data = reply(lse, completion(max_tokens=2, logprobs=2), "completion")
+    # This prompt's third and fourth greedy tokens are single bytes of one UTF-8 character.
+    data = reply(lse, completion(max_tokens=4, logprobs=2), "completion")
     logprobs = data["choices"][0]["logprobs"]
     assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    ids, logits = hf_reference(base, text_prompt, 4)
+    spelled = [byte_level_bytes(base, i) for i in ids]
+    assert b"".join(spelled).decode("utf-8", errors="replace") == data["choices"][0]["text"]
+    assert len(spelled[2]) == 1 and spelled[2][0] >= 0x80       # the case the check is for
     tokens = logprobs["tokens"]
-    assert "".join(tokens) == data["choices"][0]["text"]
-    assert logprobs["text_offset"] == [0, len(tokens[0])]
+    assert tokens[:2] == [t.decode("utf-8") for t in spelled[:2]]
+    assert tokens[2] == f"bytes:\\x{spelled[2][0]:02x}"
+    text, offsets = data["choices"][0]["text"], logprobs["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    for k, token in enumerate(spelled):
+        if not 0x80 <= token[0] < 0xC0:     # it starts a character: the text from there is its bytes on
+            assert text[offsets[k]:] == b"".join(spelled[k:]).decode("utf-8", errors="replace"), k
     for top, token, logprob in zip(logprobs["top_logprobs"], tokens, logprobs["token_logprobs"]):
         assert len(top) == 2 and top[token] == logprob == max(top.values())     # greedy: the best
-    ids, logits = hf_reference(base, text_prompt, 2)
-    assert tokens == [vocab(base).decode([i]) for i in ids]
     assert logprobs["token_logprobs"][0] == pytest.approx(log_softmax(logits[0])[ids[0]], abs=1e-4)
     assert reply(lse, completion(max_tokens=1), "completion")["choices"][0]["logprobs"] is None
 

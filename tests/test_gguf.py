@@ -41,6 +41,9 @@ TEXTS = [
     "x" * 64,
 ]
 
+# Characters that vocabularies spell with tokens holding part of a character (single bytes).
+RARE_TEXT = "𝔘𝔫𝔦 🫠 \U0001F9CC ꙮ 𓀀 ᚠᛇᚻ"
+
 
 @cache
 def default_model():
@@ -69,8 +72,23 @@ def assert_tokenizer_matches_transformers(path: str, tokenizer) -> None:
         assert tokenizer.decode(ids) == reference.decode(ids), text
 
 
+def assert_token_bytes_spell_the_text(tokenizer) -> None:
+    """Each token's bytes (what logprobs report), joined, are the text's UTF-8; some of them are not
+    UTF-8 by themselves, so the texts reach tokens that split a character."""
+    partial = 0
+    for text in [*TEXTS, RARE_TEXT]:
+        spelled = [tokenizer.token_bytes(i) for i in tokenizer.encode(text, False)]
+        assert b"".join(spelled) == text.encode("utf-8"), text
+        partial += sum(token.decode("utf-8", errors="ignore").encode("utf-8") != token for token in spelled)
+    assert partial > 0
+
+
 def test_default_model_tokenizer_encodes_like_transformers():
     assert_tokenizer_matches_transformers(default_model_path(), default_model().tokenizer)
+
+
+def test_default_model_token_bytes_spell_the_text():
+    assert_token_bytes_spell_the_text(default_model().tokenizer)
 
 
 def test_default_model_special_tokens_and_template():
@@ -360,6 +378,11 @@ def gemma_path() -> str:
 @pytest.mark.gemma3
 def test_gemma3_tokenizer_encodes_like_transformers():
     assert_tokenizer_matches_transformers(gemma_path(), load_gguf(gemma_path()).tokenizer)
+
+
+@pytest.mark.gemma3
+def test_gemma3_token_bytes_spell_the_text():
+    assert_token_bytes_spell_the_text(load_gguf(gemma_path()).tokenizer)
 
 
 @pytest.mark.gemma3

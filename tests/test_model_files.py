@@ -9,12 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tokenizers
 from checkpoints import hf_greedy, lse_greedy, prompt_ids, write_checkpoint
 from safetensors.numpy import load_file, save_file
 
 from lse_core.errors import StartupError
 from lse_core.model.arch import build_graph
 from lse_core.model.files import load_hf
+from lse_core.model.tokenizer import Tokenizer
 
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 
@@ -182,3 +184,29 @@ def test_template_list_without_a_default_entry(broken):
     (broken / "tokenizer_config.json").write_text(json.dumps(config))
     message = startup_error(broken)
     assert str(broken / "tokenizer_config.json") in message and "no entry named 'default'" in message
+
+
+SENTENCEPIECE_DECODERS = {
+    # Llama 2's tokenizer.json: a space is "▁", unknown characters are <0xNN> pieces, and the
+    # decoder strips the space the normalizer put in front of the text
+    "replace": tokenizers.decoders.Sequence([tokenizers.decoders.Replace("▁", " "), tokenizers.decoders.ByteFallback(),
+                                             tokenizers.decoders.Fuse(), tokenizers.decoders.Strip(" ", 1, 0)]),
+    "metaspace": tokenizers.decoders.Sequence([tokenizers.decoders.ByteFallback(), tokenizers.decoders.Metaspace()]),
+}
+
+
+@pytest.mark.parametrize("decoder", SENTENCEPIECE_DECODERS)
+def test_token_bytes_of_a_sentencepiece_vocabulary(decoder: str):
+    """A token's bytes keep the space its "▁" stands for (the whole text's decode strips the first),
+    and a <0xNN> piece is its byte."""
+    pieces = ["<unk>", *(f"<0x{b:02X}>" for b in range(256)), "▁", "c", "a", "f", "▁c", "▁ca", "▁caf"]
+    merges = [("▁", "c"), ("▁c", "a"), ("▁ca", "f")]
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE({p: i for i, p in enumerate(pieces)}, merges,
+                                                         unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = tokenizers.normalizers.Sequence([tokenizers.normalizers.Prepend("▁"),
+                                                          tokenizers.normalizers.Replace(" ", "▁")])
+    backend.decoder = SENTENCEPIECE_DECODERS[decoder]
+    tokenizer = Tokenizer(backend, eos_ids=())
+    ids = tokenizer.encode("café caf", False)
+    assert [tokenizer.token_bytes(i) for i in ids] == [b" caf", b"\xc3", b"\xa9", b" caf"]
+    assert tokenizer.decode(ids).strip() == "café caf"

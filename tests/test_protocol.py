@@ -521,7 +521,7 @@ def test_error_inside_a_stream_is_the_same_body():
 
 def test_chat_logprobs_shape():
     reply = Reply(chat(logprobs=True, top_logprobs=2), "m")
-    tokens = [TokenLogprob("Hé", -0.25, [("Hé", -0.25), ("Hi", -1.5)])]
+    tokens = [TokenLogprob("Hé".encode(), -0.25, [("Hé".encode(), -0.25), (b"Hi", -1.5)])]
     outcome = Outcome(choice=Choice(stop_reason="max_tokens", text="Hé", logprobs=tokens), usage=Usage(3, 1),
                       context_length=100, timings=TIMINGS)
     assert reply.response(outcome)["choices"][0]["logprobs"] == {"content": [{
@@ -533,12 +533,32 @@ def test_chat_logprobs_shape():
 
 def test_completion_logprobs_shape_across_chunks():
     reply = Reply(parse_completion({"prompt": "x", "logprobs": 1, "stream": True}), "m")
-    first = reply.chunk(" The", logprobs=[TokenLogprob(" The", -0.5, [(" The", -0.5)])])
-    second = reply.chunk(" cat", logprobs=[TokenLogprob(" cat", -2.0, [(" dog", -1.0)])])
+    first = reply.chunk(" The", logprobs=[TokenLogprob(b" The", -0.5, [(b" The", -0.5)])])
+    second = reply.chunk(" cat", logprobs=[TokenLogprob(b" cat", -2.0, [(b" dog", -1.0)])])
     assert first["choices"][0]["logprobs"] == {"tokens": [" The"], "token_logprobs": [-0.5],
                                                "top_logprobs": [{" The": -0.5}], "text_offset": [0]}
     assert second["choices"][0]["logprobs"] == {"tokens": [" cat"], "token_logprobs": [-2.0],
                                                 "top_logprobs": [{" dog": -1.0}], "text_offset": [4]}
+
+
+def test_logprobs_of_tokens_that_split_a_character():
+    """Byte-level tokens can hold part of a UTF-8 character: "bytes" keeps the real bytes, "token"
+    names them as OpenAI does, and text_offset counts a character once, where it starts."""
+    tokens = [TokenLogprob(b" caf", -0.1), TokenLogprob(b"\xc3", -0.2, [(b"\xc3", -0.2), (b"e", -3.0)]),
+              TokenLogprob(b"\xa9", -0.3), TokenLogprob(b"!", -0.4)]
+    outcome = Outcome(choice=Choice(stop_reason="max_tokens", text=" café!", logprobs=tokens), usage=Usage(1, 4),
+                      context_length=100, timings=TIMINGS)
+    chat_entries = Reply(chat(logprobs=True, top_logprobs=2), "m").response(outcome)["choices"][0]["logprobs"]
+    assert [(e["token"], e["bytes"]) for e in chat_entries["content"]] == [
+        (" caf", [32, 99, 97, 102]), ("bytes:\\xc3", [0xC3]), ("bytes:\\xa9", [0xA9]), ("!", [33])]
+    assert bytes(b for e in chat_entries["content"] for b in e["bytes"]).decode() == " café!"
+    assert chat_entries["content"][1]["top_logprobs"][1] == {"token": "e", "logprob": -3.0, "bytes": [101]}
+    completion = Reply(parse_completion({"prompt": "x", "logprobs": 1}), "m").response(outcome)
+    logprobs = completion["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [" caf", "bytes:\\xc3", "bytes:\\xa9", "!"]
+    assert logprobs["top_logprobs"][1] == {"bytes:\\xc3": -0.2, "e": -3.0}
+    assert logprobs["text_offset"] == [0, 4, 4, 5]
+    assert [" café!"[o] for o in logprobs["text_offset"]] == [" ", "é", "é", "!"]
 
 
 # ---- /v1/models ----
@@ -558,7 +578,7 @@ def test_model_entry():
 def test_completion_response_offsets_start_at_zero_after_chunks():
     # lse_request emits token chunks for every request; the whole response still counts from 0.
     reply = Reply(parse_completion({"prompt": "x", "logprobs": 0}), "m")
-    tokens = [TokenLogprob(" The", -0.5), TokenLogprob(" cat", -2.0)]
+    tokens = [TokenLogprob(b" The", -0.5), TokenLogprob(b" cat", -2.0)]
     reply.chunk(" The", logprobs=tokens[:1])
     reply.chunk(" cat", logprobs=tokens[1:])
     outcome = Outcome(choice=Choice(stop_reason="max_tokens", text=" The cat", logprobs=tokens),
