@@ -180,20 +180,7 @@ def _start(lse: LSE, request: Request, body: Any) -> None:
     _check_model(lse, req.model)
     tokenizer = lse.model.tokenizer
     level = resolve_level(lse.thinking, req.body, request.endpoint)
-    if chat:
-        if lse.template is None:
-            raise invalid_request("this model has no chat template; send a plain prompt to /v1/completions",
-                                  "no_chat_template", "messages")
-        prompt_text = lse.template.render(req.messages, tools=req.tools, **template_variables(level, req.body))
-        prompt = tokenizer.encode(prompt_text, add_special_tokens=False)
-    elif isinstance(req.prompt, str):
-        prompt_text, prompt = req.prompt, tokenizer.encode(req.prompt, add_special_tokens=True)
-    else:
-        bad = next((i for i, t in enumerate(req.prompt) if t >= tokenizer.vocab_size), None)
-        if bad is not None:
-            raise invalid_request(f"token {req.prompt[bad]} is outside the vocabulary (size "
-                                  f"{tokenizer.vocab_size})", "invalid_value", f"prompt[{bad}]")
-        prompt_text, prompt = tokenizer.decode(req.prompt), list(req.prompt)
+    prompt_text, prompt = _prompt(lse, req, level)
     if not prompt:
         raise invalid_request("the prompt is empty", "invalid_value", req.prompt_param)
     if req.echo and req.logprobs:
@@ -282,6 +269,43 @@ class _ReplyBuilder:
         spell = self.lse.model.tokenizer.token_bytes
         return protocol.TokenLogprob(spell(entry["token"]), entry["logprob"],
                                      [(spell(t), lp) for t, lp in entry["top"]])
+
+
+def _prompt(lse: LSE, req: protocol.GenerationRequest, level: Any, add_generation_prompt: bool = True,
+            add_special: bool | None = None) -> tuple[str, list[int]]:
+    """A request's prompt as text and as tokens: a chat's messages rendered by the template (the
+    template writes its own special tokens), or a completion's prompt (the tokenizer adds its own)."""
+    tokenizer = lse.model.tokenizer
+    if req.endpoint == "chat":
+        if lse.template is None:
+            raise invalid_request("this model has no chat template; send a plain prompt to /v1/completions",
+                                  "no_chat_template", "messages")
+        text = lse.template.render(req.messages, add_generation_prompt=add_generation_prompt, tools=req.tools,
+                                   **template_variables(level, req.body))
+        return text, tokenizer.encode(text, add_special_tokens=bool(add_special))
+    if isinstance(req.prompt, str):
+        return req.prompt, tokenizer.encode(req.prompt, add_special_tokens=add_special is not False)
+    bad = next((i for i, t in enumerate(req.prompt) if t >= tokenizer.vocab_size), None)
+    if bad is not None:
+        raise invalid_request(f"token {req.prompt[bad]} is outside the vocabulary (size "
+                              f"{tokenizer.vocab_size})", "invalid_value", f"prompt[{bad}]")
+    return tokenizer.decode(req.prompt), list(req.prompt)
+
+
+def lse_tokenize(lse: LSE, body: Any) -> dict[str, Any]:
+    """/tokenize: the tokens of a chat or completion body's prompt, exactly as lse_request would
+    start from them, or of llama.cpp's plain ``content``. Raises LSEError for a bad body."""
+    tokenize = protocol.parse_tokenize(body)
+    tokenizer = lse.model.tokenizer
+    if tokenize.request is None:
+        ids = tokenizer.encode(tokenize.content, add_special_tokens=bool(tokenize.add_special))
+    else:
+        req = tokenize.request
+        _check_model(lse, req.model)
+        level = resolve_level(lse.thinking, req.body, req.endpoint)
+        ids = _prompt(lse, req, level, tokenize.add_generation_prompt, tokenize.add_special)[1]
+    pieces = [tokenizer.token_bytes(i) for i in ids] if tokenize.with_pieces else None
+    return protocol.tokenized(ids, pieces, lse.context_length)
 
 
 def _tool_call_parser(lse: LSE, req: protocol.GenerationRequest) -> ToolCallParser | None:

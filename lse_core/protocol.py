@@ -107,6 +107,39 @@ def parse_completion(body: object) -> GenerationRequest:
     return request
 
 
+@dataclass
+class TokenizeRequest:
+    """A /tokenize body: a chat body (messages) or a completion body (prompt), whose prompt is
+    tokenized as that request would be, or llama.cpp's plain ``content``."""
+
+    request: GenerationRequest | None     # None for content
+    content: str
+    add_special: bool | None              # None: as the request would (a completion's prompt only)
+    add_generation_prompt: bool
+    with_pieces: bool                     # each token with its text, as llama.cpp gives it
+
+
+def parse_tokenize(body: object) -> TokenizeRequest:
+    """A /tokenize body, checked; add_special is llama.cpp's name, add_special_tokens vLLM's."""
+    body = _object_body(body)
+    request, content = None, ""
+    if body.get("messages") is not None:
+        request = parse_chat(body)
+    elif body.get("prompt") is not None:
+        request = parse_completion(body)
+    else:
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise invalid_request("send content (text), prompt (a completion's) or messages (a chat's)",
+                                  "missing_field" if content is None else "invalid_type", "content")
+    add_special = _optional(body, "add_special", _boolean)
+    if add_special is None:
+        add_special = _optional(body, "add_special_tokens", _boolean)
+    add_generation_prompt = _optional(body, "add_generation_prompt", _boolean)
+    return TokenizeRequest(request, content, add_special, add_generation_prompt is not False,
+                           _optional(body, "with_pieces", _boolean) or False)
+
+
 def _object_body(body: object) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise invalid_request(f"the request body must be a JSON object, got {_json_type(body)}",
@@ -378,10 +411,15 @@ class TokenLogprob:
 def token_text(token: bytes) -> str:
     """A token as logprobs name it. One that holds part of a UTF-8 character is named as OpenAI does,
     "bytes:" and its bytes escaped ("bytes:\\xe2\\x80"), so two such tokens never share a name."""
+    text = _utf8(token)
+    return text if text is not None else "bytes:" + token.decode("utf-8", errors="backslashreplace")
+
+
+def _utf8(token: bytes) -> str | None:
     try:
         return token.decode("utf-8")
     except UnicodeDecodeError:
-        return "bytes:" + token.decode("utf-8", errors="backslashreplace")
+        return None
 
 
 class TextOffsets:
@@ -583,6 +621,15 @@ class Reply:
 
 def _chat_logprob(token: bytes, logprob: float | None) -> dict[str, Any]:
     return {"token": token_text(token), "logprob": logprob, "bytes": list(token)}
+
+
+def tokenized(ids: list[int], pieces: list[bytes] | None, context_length: int) -> dict[str, Any]:
+    """/tokenize's answer: llama.cpp's tokens (with pieces: {id, piece}, a piece that is no UTF-8 by
+    itself as its byte values) and vLLM's count and max_model_len."""
+    tokens: list[Any] = list(ids)
+    if pieces is not None:
+        tokens = [{"id": i, "piece": text if (text := _utf8(p)) is not None else list(p)} for i, p in zip(ids, pieces)]
+    return {"tokens": tokens, "count": len(ids), "max_model_len": context_length}
 
 
 def model_entry(model_id: str, created: int, context_length: int, thinking: dict[str, Any],

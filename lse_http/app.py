@@ -237,18 +237,9 @@ async def openapi(request: Request) -> Response:
 # ---- tokenizer ----
 
 async def tokenize(request: Request) -> Response:
-    """{"content": str, "add_special": bool (default false)} -> {"tokens": [int...]}, as llama.cpp's."""
-    body = _object(await _read_json(request))
-    tokenizer = _engine(request).model.tokenizer
-    content = body.get("content")
-    if not isinstance(content, str):
-        raise invalid_request("content must be a string", "missing_field" if content is None else "invalid_type",
-                              "content")
-    add_special = body.get("add_special", False)
-    if not isinstance(add_special, bool):
-        raise invalid_request("add_special must be a boolean", "invalid_type", "add_special")
-    tokens = await run_in_threadpool(tokenizer.encode, content, add_special)
-    return _json({"tokens": tokens})
+    """llama.cpp's {"content"} or vLLM's {"prompt"} / {"messages"} -> {"tokens", "count", "max_model_len"}."""
+    body = await _read_json(request)
+    return _json(await run_in_threadpool(api.lse_tokenize, _engine(request), body))
 
 
 async def detokenize(request: Request) -> Response:

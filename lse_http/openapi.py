@@ -185,7 +185,16 @@ SCHEMAS: dict[str, Any] = {
         "allowed": BOOLEAN, "total": COUNT,
         "events": {"type": "array", "items": obj(["cause", "count"], {"cause": STRING, "count": COUNT})}}),
     "Health": obj(["status"], {"status": {"enum": ["ok", "loading"]}}),
-    "TokenizeRequest": obj(["content"], {"content": STRING, "add_special": BOOLEAN}),
+    "TokenizeRequest": {"anyOf": [
+        obj(["content"], {"content": STRING}, description="llama.cpp's: plain text"),
+        ref("CompletionRequest"), ref("ChatCompletionRequest")],
+        "properties": {"add_special": BOOLEAN, "add_special_tokens": BOOLEAN, "add_generation_prompt": BOOLEAN,
+                       "with_pieces": BOOLEAN},
+        "description": "a completion's or chat's body gives the tokens that request would start from"},
+    "Tokenized": obj(["tokens", "count", "max_model_len"], {
+        "tokens": {"type": "array", "items": {"anyOf": [COUNT, obj(["id", "piece"], {
+            "id": COUNT, "piece": {"anyOf": [STRING, {"type": "array", "items": COUNT}]}})]}},
+        "count": COUNT, "max_model_len": COUNT}),
     "Tokens": obj(["tokens"], {"tokens": {"type": "array", "items": COUNT}}),
     "Content": obj(["content"], {"content": STRING}),
 }
@@ -250,7 +259,7 @@ OPENAPI: dict[str, Any] = {
         "/health": {"get": {"summary": "200 when the model is loaded, 503 while it loads", "security": [],
                             "responses": {"200": json_body(ref("Health"), "ready"),
                                           "503": json_body(ref("Health"), "loading")}}},
-        "/tokenize": post("Tokenize text (add_special defaults to false)", "TokenizeRequest", "Tokens"),
+        "/tokenize": post("Tokens of text, or of a completion's or chat's prompt", "TokenizeRequest", "Tokenized"),
         "/detokenize": post("Text of token ids", "Tokens", "Content"),
         "/metrics": get("Prometheus metrics", "", 503, media="text/plain"),
         "/openapi.json": {"get": {"summary": "This document", "responses": {"200": json_body({"type": "object"},

@@ -353,8 +353,9 @@ def test_tokenize_and_detokenize(http: httpx.Client, vocab: tokenizers.Tokenizer
     text = "The capital of France is Paris. café 東京"
     for add_special in (False, True):
         tokens = http.post("/tokenize", json={"content": text, "add_special": add_special}).json()
-        validate(tokens, "Tokens", openapi_doc)
+        validate(tokens, "Tokenized", openapi_doc)
         assert tokens["tokens"] == vocab.encode(text, add_special_tokens=add_special).ids
+        assert (tokens["count"], tokens["max_model_len"]) == (len(tokens["tokens"]), KV_LEN)
     ids = vocab.encode(text).ids
     content = http.post("/detokenize", json={"tokens": ids}).json()
     validate(content, "Content", openapi_doc)
@@ -364,6 +365,44 @@ def test_tokenize_and_detokenize(http: httpx.Client, vocab: tokenizers.Tokenizer
                  "invalid_request_error", "invalid_value", "tokens[1]")
     assert_error(http.post("/detokenize", json={"tokens": ["a"]}), 400, "invalid_request_error", "invalid_type",
                  "tokens[0]")
+
+
+def test_tokenize_a_request_as_it_would_run(http: httpx.Client, model_id: str, vocab: tokenizers.Tokenizer,
+                                           openapi_doc: dict) -> None:
+    """A chat or completion body tokenizes to the prompt that request runs on (its prompt_tokens),
+    rendered by the model's template; llama.cpp's with_pieces gives each token's text or bytes."""
+    chat = {"messages": HELLO, "model": model_id}
+    tokens = http.post("/tokenize", json=chat).json()
+    validate(tokens, "Tokenized", openapi_doc)
+    rendered = f"<|im_start|>user\n{HELLO[0]['content']}<|im_end|>\n<|im_start|>assistant\n"
+    assert tokens["tokens"] == vocab.encode(rendered, add_special_tokens=False).ids
+    usage = http.post("/v1/chat/completions", json=chat | {"max_tokens": 1}).json()["usage"]
+    assert tokens["count"] == usage["prompt_tokens"]
+    bare = http.post("/tokenize", json=chat | {"add_generation_prompt": False}).json()["tokens"]
+    assert bare == vocab.encode(rendered.removesuffix("<|im_start|>assistant\n"), add_special_tokens=False).ids
+    text = "Paris is"
+    completion = http.post("/tokenize", json={"prompt": text}).json()["tokens"]
+    assert completion == vocab.encode(text, add_special_tokens=True).ids
+    assert http.post("/v1/completions", json={"prompt": text, "max_tokens": 1}).json()["usage"]["prompt_tokens"] == \
+        len(completion)
+
+    emoji = "café 🫠 東京"
+    pieces = http.post("/tokenize", json={"content": emoji, "with_pieces": True}).json()
+    validate(pieces, "Tokenized", openapi_doc)
+    assert [t["id"] for t in pieces["tokens"]] == vocab.encode(emoji, add_special_tokens=False).ids
+    spelled = [bytes(t["piece"]) if isinstance(t["piece"], list) else t["piece"].encode() for t in pieces["tokens"]]
+    assert b"".join(spelled) == emoji.encode()
+    assert any(isinstance(t["piece"], list) for t in pieces["tokens"])   # single bytes of a character
+
+    assert_error(http.post("/tokenize", json={}), 400, "invalid_request_error", "missing_field", "content")
+    assert_error(http.post("/tokenize", json={"messages": []}), 400, "invalid_request_error", "invalid_value",
+                 "messages")
+    assert_error(http.post("/tokenize", json={"prompt": [vocab.get_vocab_size()]}), 400, "invalid_request_error",
+                 "invalid_value", "prompt[0]")
+    assert_error(http.post("/tokenize", json=chat | {"model": "other"}), 404, "invalid_request_error",
+                 "model_not_found", "model")
+    assert_error(http.post("/tokenize", json={"content": "x", "with_pieces": 1}), 400, "invalid_request_error",
+                 "invalid_type", "with_pieces")
 
 
 def test_status_model_info_and_health(http: httpx.Client, openapi_doc: dict) -> None:
