@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as QT
 
 from lse_core.errors import StartupError
 from lse_core.model import gguf as lse_gguf
+from lse_core.model.arch import build_graph
 from lse_core.model.default import default_model_path, load_model
 from lse_core.model.gguf import load_gguf
 from lse_core.model.model import QuantTensor
@@ -299,6 +300,56 @@ def test_small_gguf_runs_like_transformers(tmp_path: Path, arch: str):
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0, -1].numpy()
     np.testing.assert_allclose(logits[0], expected, atol=1e-4 * np.abs(expected).max())
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def llama3_rope_factors(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
+    """convert_hf_to_gguf.py's rope_freqs.weight for Llama 3's rope scaling: a divisor per frequency."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, np.float32)
+
+
+def test_llama3_rope_factors_run_like_transformers(tmp_path: Path):
+    """Llama 3.x GGUFs keep their rope scaling as rope_freqs.weight. LSE's logits equal those
+    transformers computes from the same file with the rope_scaling the factors were made from."""
+    import torch
+    from checkpoints import lse_greedy
+    from transformers import AutoModelForCausalLM
+
+    factors = llama3_rope_factors(head_dim("llama"), 50000.0, LLAMA3_ROPE)
+    assert factors.min() == 1.0 and factors.max() == 8.0 and len(set(factors.tolist())) > 2  # all three cases
+    path = tmp_path / "small.gguf"
+    write_small_gguf(path, extra_tensor=("rope_freqs.weight", factors, QT.F32))
+    model = load_gguf(str(path))
+    assert "rope_freqs.weight" not in model.weights
+    prompt = [5, 77, 140, 3, 250, 9, 61, 18, 201, 33, 120, 7, 95, 280, 44, 2, 160, 71, 230, 12] * 3
+    _, logits = lse_greedy(model, prompt, 1)
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32,
+                                                     rope_parameters=LLAMA3_ROPE | {"rope_theta": 50000.0})
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0, -1].numpy()
+    np.testing.assert_allclose(logits[0], expected, atol=1e-4 * np.abs(expected).max())
+    unscaled = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():   # the check can tell: without the factors the logits differ
+        assert not np.allclose(unscaled(torch.tensor([prompt])).logits[0, -1].numpy(), expected, atol=1e-3)
+
+    write_small_gguf(path, extra_tensor=("rope_freqs.weight", factors[:-1], QT.F32))
+    with pytest.raises(StartupError, match="rope frequency factors"):
+        build_graph(load_gguf(str(path)))
 
 
 def test_import_is_cached_and_the_cache_follows_the_content(tmp_path: Path, private_cache: Path,

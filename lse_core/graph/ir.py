@@ -141,7 +141,8 @@ class Step:
 
 def rope_inv_freq(attrs: dict[str, Any]) -> np.ndarray:
     """Inverse frequencies for a rope node: base ``theta``, ``rotary_dim`` (default head_dim), and
-    Hugging Face's rope_scaling kinds ``linear`` and ``llama3``. One place, for every backend."""
+    Hugging Face's rope_scaling kinds ``linear`` and ``llama3``, or a GGUF's per-frequency divisors
+    (``freq_factors``). One place, for every backend."""
     head_dim = attrs["head_dim"]
     rotary_dim = attrs.get("rotary_dim") or head_dim
     theta = float(attrs["theta"])
@@ -159,6 +160,11 @@ def rope_inv_freq(attrs: dict[str, Any]) -> np.ndarray:
         scaled = np.where(wavelen > old_ctx / low, inv / factor, inv)
         mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
         inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind == "freq_factors":    # a GGUF's rope_freqs.weight
+        factors = np.asarray(scaling["factors"], dtype=np.float64)
+        if factors.shape != inv.shape:
+            raise ValueError(f"{len(factors)} rope frequency factors for {len(inv)} frequencies")
+        inv = inv / factors
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope_scaling type {kind!r}")
     return inv.astype(np.float32)

@@ -34,6 +34,7 @@ from .tokenizer import Tokenizer
 CACHE_FORMAT = 2   # part of the cache key: bump it whenever the header's content changes
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 FLOAT_TYPES = ("F32", "F16", "BF16")
+ROPE_FACTORS = "rope_freqs.weight"   # Llama 3's rope scaling, as a divisor per frequency
 
 # GGUF tensor name -> Hugging Face name ({} is the layer index).
 _GLOBAL_NAMES = {
@@ -133,6 +134,10 @@ def _read_header(path: str) -> dict[str, Any]:
         tensors = [(t.name, t.tensor_type.name, [int(d) for d in t.shape], int(t.data_offset), int(t.n_bytes))
                    for t in reader.tensors]
         config = _config(meta, {t[0] for t in tensors}, path)
+        factors = next((t.data for t in reader.tensors if t.name == ROPE_FACTORS), None)
+        if factors is not None:
+            config["rope_scaling"] = _rope_factors(config.get("rope_scaling"), factors, path)
+            tensors = [t for t in tensors if t[0] != ROPE_FACTORS]
         for name, qtype, *_ in tensors:
             if qtype not in FLOAT_TYPES and qtype not in QUANT_BLOCKS:
                 raise StartupError(f"{path}: tensor {name} has type {qtype}, which LSE does not support "
@@ -191,11 +196,18 @@ def _config(meta: dict[str, Any], tensor_names: set[str], path: str) -> dict[str
         config["rope_scaling"] = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
     elif scaling not in (None, "none"):
         raise StartupError(f"{path}: rope scaling {scaling!r} is not supported (none, linear)")
-    if "rope_freqs.weight" in tensor_names:
-        raise StartupError(f"{path}: per-frequency rope factors (rope_freqs.weight) are not supported")
     if arch == "gemma3":
         config |= _gemma3_config(config, key)
     return config
+
+
+def _rope_factors(scaling: dict[str, Any] | None, factors: np.ndarray, path: str) -> dict[str, Any]:
+    """rope_freqs.weight: a divisor per rotary frequency, what llama.cpp's converter writes for
+    Llama 3's rope scaling; a linear factor in the metadata divides every frequency as well."""
+    if factors.dtype != np.float32 or factors.ndim != 1:
+        raise StartupError(f"{path}: {ROPE_FACTORS} must be a float32 vector, got {factors.dtype} {factors.shape}")
+    linear = float(scaling["factor"]) if scaling else 1.0
+    return {"rope_type": "freq_factors", "factors": [float(f) * linear for f in factors]}
 
 
 def _gemma3_config(config: dict[str, Any], key: Any) -> dict[str, Any]:
