@@ -152,6 +152,7 @@ def _parse_common(body: dict[str, Any], endpoint: str) -> GenerationRequest:
     if n is not None and n > 1:
         raise invalid_request("n must be 1: LSE returns one choice per request; send n requests instead",
                               "invalid_value", "n")
+    _refuse_unsupported(body, endpoint)
     stream_options = _optional(body, "stream_options", _object) or {}
     max_tokens = _optional(body, "max_tokens", _integer, 1)
     max_completion_tokens = _optional(body, "max_completion_tokens", _integer, 1)
@@ -172,6 +173,25 @@ def _parse_common(body: dict[str, Any], endpoint: str) -> GenerationRequest:
         frequency_penalty=_optional(body, "frequency_penalty", _number),
         seed=_optional(body, "seed", _integer, 0),
     )
+
+
+def _refuse_unsupported(body: dict[str, Any], endpoint: str) -> None:
+    """OpenAI fields LSE does not implement, refused when they would change the reply: ignoring
+    them would hand the client something other than what it asked for."""
+    response_format = _optional(body, "response_format", _object)
+    if response_format is not None and response_format.get("type", "text") != "text":
+        raise invalid_request(f"response_format {str(response_format.get('type'))!r:.40} is not supported: LSE has "
+                              "no constrained decoding; only type text", "invalid_value", "response_format")
+    if _optional(body, "logit_bias", _object):
+        raise invalid_request("logit_bias is not supported", "invalid_value", "logit_bias")
+    if endpoint == "completion":
+        if _optional(body, "suffix", _string):
+            raise invalid_request("suffix is not supported: LSE completes after the prompt only",
+                                  "invalid_value", "suffix")
+        best_of = _optional(body, "best_of", _integer, 1)
+        if best_of is not None and best_of > 1:
+            raise invalid_request("best_of must be 1: LSE returns one choice per request", "invalid_value",
+                                  "best_of")
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:

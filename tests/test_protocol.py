@@ -195,6 +195,11 @@ def test_message_errors_name_the_path(body, code, param):
     ({"tool_choice": "sometimes"}, "invalid_value", "tool_choice"),
     ({"tool_choice": {"type": "function"}}, "missing_field", "tool_choice.function"),
     ({"chat_template_kwargs": "enable_thinking"}, "invalid_type", "chat_template_kwargs"),
+    ({"response_format": {"type": "json_object"}}, "invalid_value", "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "invalid_value", "response_format"),
+    ({"response_format": "json"}, "invalid_type", "response_format"),
+    ({"logit_bias": {"50256": -100}}, "invalid_value", "logit_bias"),
+    ({"logit_bias": [1]}, "invalid_type", "logit_bias"),
 ])
 def test_request_field_errors(fields, code, param):
     error = chat_refusal(**fields)
@@ -223,6 +228,23 @@ def test_nulls_mean_not_sent():
 
 
 # ---- completion parsing ----
+
+@pytest.mark.parametrize("fields, code, param", [
+    ({"suffix": " end"}, "invalid_value", "suffix"),
+    ({"suffix": 3}, "invalid_type", "suffix"),
+    ({"best_of": 2}, "invalid_value", "best_of"),
+    ({"best_of": 0}, "invalid_value", "best_of"),
+])
+def test_completion_field_errors(fields, code, param):
+    error = refusal(parse_completion, {"prompt": "x"} | fields)
+    assert (error["code"], error["param"]) == (code, param)
+
+
+def test_fields_that_ask_for_nothing_more_are_accepted():
+    """What clients send by default: the plain text format, an empty bias, an empty suffix, best_of 1."""
+    assert chat(response_format={"type": "text"}, logit_bias={}, user="u", parallel_tool_calls=True).messages
+    assert parse_completion({"prompt": "x", "suffix": "", "best_of": 1, "logit_bias": None}).prompt == "x"
+
 
 def test_completion_prompt_forms():
     assert parse_completion({"prompt": "Once upon"}).prompt == "Once upon"
