@@ -188,12 +188,15 @@ def _start(lse: LSE, request: Request, body: Any) -> None:
                               "invalid_value", "echo")
     limit = resolve_limit(req.max_tokens, lse.config.max_tokens, lse.defaults, len(prompt),
                           lse.context_length, req.prompt_param)
+    tool_parser = _tool_call_parser(lse, req)
     params = SeqParams(
         prompt=prompt, max_new_tokens=limit.max_new_tokens, limit_reason=limit.stop_reason,
         sampling=resolve_sampling(req, lse.defaults), stop=list(req.stop), eos_ids=tokenizer.eos_ids,
         top_logprobs=req.top_logprobs if req.logprobs else None,
-        splitter=reasoning_splitter(lse.thinking, level, prompt_text))
-    reply = _ReplyBuilder(lse, request, req, prompt_text if req.echo else "")
+        splitter=reasoning_splitter(lse.thinking, level, prompt_text),
+        # tool-call markers can be special tokens (Mistral's [TOOL_CALLS]): the parser must see them
+        skip_special_tokens=tool_parser is None)
+    reply = _ReplyBuilder(lse, request, req, prompt_text if req.echo else "", tool_parser)
     if params.max_new_tokens == 0:   # max_length leaves no room: an empty reply, no work
         reply.finish_empty(params)
         return
@@ -203,7 +206,8 @@ def _start(lse: LSE, request: Request, body: Any) -> None:
 class _ReplyBuilder:
     """Collects a sequence's deltas into events: chunks as they come, the whole reply at the end."""
 
-    def __init__(self, lse: LSE, request: Request, req: protocol.GenerationRequest, echo: str) -> None:
+    def __init__(self, lse: LSE, request: Request, req: protocol.GenerationRequest, echo: str,
+                 tool_parser: ToolCallParser | None) -> None:
         self.lse = lse
         self.request = request
         self.req = req
@@ -211,7 +215,7 @@ class _ReplyBuilder:
         self.text = [echo]
         self.reasoning: list[str] = []
         self.logprobs: list[protocol.TokenLogprob] = []
-        self.tool_parser = _tool_call_parser(lse, req)
+        self.tool_parser = tool_parser
         if echo and req.stream:
             self.request.emit(Event(EVENT_TOKEN, self.reply.chunk(text=echo)))
 
@@ -314,7 +318,7 @@ def _tool_call_parser(lse: LSE, req: protocol.GenerationRequest) -> ToolCallPars
     if not req.tools or req.tool_choice == "none" or lse.template is None:
         return None
     call_format = tool_call_format(lse.template.source)
-    return ToolCallParser(call_format) if call_format else None
+    return ToolCallParser(call_format, req.tools) if call_format else None
 
 
 def _ms(seconds: float) -> float:

@@ -26,6 +26,7 @@ several prompts in one request are refused.
 from __future__ import annotations
 
 import codecs
+import json
 import math
 import time
 import uuid
@@ -246,11 +247,40 @@ def _content(value: Any, message_path: str) -> str:
     return "\n".join(texts)
 
 
+class CallArguments(dict):
+    """An earlier call's arguments as templates want them. OpenAI sends JSON text; most templates iterate
+    the arguments or write them with tojson (so they need the object), some add them to a string (so
+    they need the text, as DeepSeek's do). This is the object, and the text where a string is wanted."""
+
+    def __init__(self, text: str, parsed: dict[str, Any]) -> None:
+        super().__init__(parsed)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __add__(self, other: Any) -> Any:
+        return self.text + other if isinstance(other, str) else NotImplemented
+
+    def __radd__(self, other: Any) -> Any:
+        return other + self.text if isinstance(other, str) else NotImplemented
+
+
 def _tool_calls(value: Any, path: str) -> list[dict[str, Any]]:
-    calls = _array(value, path)
-    for i, call in enumerate(calls):
+    """An assistant's earlier calls, with JSON-object arguments as CallArguments."""
+    calls = []
+    for i, call in enumerate(_array(value, path)):
         function = _required(_object(call, f"{path}[{i}]"), "function", _object, f"{path}[{i}]")
         _required(function, "name", _string, f"{path}[{i}].function")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                call = call | {"function": function | {"arguments": CallArguments(arguments, parsed)}}
+        calls.append(call)
     return calls
 
 

@@ -1,7 +1,23 @@
 """Tool calls in a reply: the format comes from the chat template's text, the calls from a streaming parser.
 
-Hermes/Qwen templates teach the model to write `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
-Mistral's write `[TOOL_CALLS]` followed by a JSON list of such objects that runs to the end of the reply.
+A template shows its model how to call (in its instructions, and in how it renders earlier calls). A call
+block starts at a marker and ends at another, or runs to the end of the reply:
+
+  <tool_call>...</tool_call>               Hermes, Qwen, Granite 4, SmolLM3, GLM, Qwen3-Coder, Nemotron
+  [TOOL_CALLS]...                          Mistral
+  <|tool_call|>...                         Granite 3
+  <|tool_call_start|>...<|tool_call_end|>  LFM2
+  <tool_calls>...</tool_calls>             Apriel
+  <|START_ACTION|>...<|END_ACTION|>        Command R
+  <｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>  DeepSeek V3 and R1
+  <|tool_calls_section_begin|>...          Kimi K2
+  <|tool_calls|>...<|calls|>               Solar Open
+  {...}                                    Llama 3.1/3.2: the whole reply is the call (after <|python_tag|>)
+
+Inside a block the calls are JSON (an object or a list; the arguments under "arguments" or "parameters",
+as an object or a JSON string), Qwen3-Coder's XML (<function=name><parameter=key>value</parameter>...),
+GLM's (name<arg_key>key</arg_key><arg_value>value</arg_value>...), Python calls ([name(key=value)]), or
+a name and JSON arguments between the tokens of DeepSeek, Kimi and Solar.
 The parser is fed the reply's content deltas: text outside call blocks passes through, text inside is held
 back, and so is whatever could still become a marker. A block that does not parse into calls is given back
 as content, markers and all, so nothing the model wrote is lost.
@@ -9,8 +25,11 @@ as content, markers and all, so nothing the model wrote is lost.
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import secrets
+import string
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,23 +37,39 @@ from typing import Any
 @dataclass(frozen=True)
 class ToolCallFormat:
     """open_marker starts a call block; close_marker ends it, or None when the block runs to the reply's end.
-    json_list: the block holds a JSON list of calls rather than one call."""
+    whole_reply: the block is the reply itself, open_marker its first character (kept in the block), after
+    whitespace and an optional ``lead`` marker. short_ids: the template checks for Mistral's 9-character ids."""
 
     open_marker: str
     close_marker: str | None
-    json_list: bool
+    whole_reply: bool = False
+    lead: str = ""
+    short_ids: bool = False
 
 
-HERMES = ToolCallFormat("<tool_call>", "</tool_call>", json_list=False)
-MISTRAL = ToolCallFormat("[TOOL_CALLS]", None, json_list=True)
+HERMES = ToolCallFormat("<tool_call>", "</tool_call>")
+MISTRAL = ToolCallFormat("[TOOL_CALLS]", None, short_ids=True)
+GRANITE = ToolCallFormat("<|tool_call|>", None)
+LFM2 = ToolCallFormat("<|tool_call_start|>", "<|tool_call_end|>")
+APRIEL = ToolCallFormat("<tool_calls>", "</tool_calls>")
+COMMAND_R = ToolCallFormat("<|START_ACTION|>", "<|END_ACTION|>")
+DEEPSEEK = ToolCallFormat("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+KIMI = ToolCallFormat("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+SOLAR = ToolCallFormat("<|tool_calls|>", "<|calls|>")
+LLAMA3 = ToolCallFormat("{", None, whole_reply=True, lead="<|python_tag|>")
+
+# Text in a template that shows a format, most specific first (Apriel's template names <tool_call> too).
+_SHOWN_BY = (
+    ("<tool_calls>", APRIEL), ("<tool_call>", HERMES), ("[TOOL_CALLS]", MISTRAL), ("<|tool_call|>", GRANITE),
+    ("<|tool_call_start|>", LFM2), ("<|START_ACTION|>", COMMAND_R), ("<｜tool▁calls▁begin｜>", DEEPSEEK),
+    ("<|tool_calls_section_begin|>", KIMI), ("<|tool_calls|>", SOLAR),
+    ('"parameters": dictionary of argument name and its value', LLAMA3),
+)
 
 
 def tool_call_format(template_source: str) -> ToolCallFormat | None:
-    """The format a chat template teaches its model, or None when it shows none of the known markers."""
-    for candidate in (HERMES, MISTRAL):
-        if candidate.open_marker in template_source:
-            return candidate
-    return None
+    """The format a chat template teaches its model, or None when it shows none of the known ones."""
+    return next((call_format for shown, call_format in _SHOWN_BY if shown in template_source), None)
 
 
 def _partial_marker(text: str, marker: str) -> int:
@@ -45,24 +80,130 @@ def _partial_marker(text: str, marker: str) -> int:
     return 0
 
 
-def openai_call(name: str, arguments: Any) -> dict[str, Any]:
+def openai_call(name: str, arguments: Any, short_id: bool = False) -> dict[str, Any]:
     """One entry of OpenAI's message.tool_calls; arguments travel as a JSON string."""
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    alphabet = string.ascii_letters + string.digits
+    call_id = "".join(secrets.choice(alphabet) for _ in range(9)) if short_id else f"call_{secrets.token_hex(12)}"
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def parse_calls(block: str, json_list: bool) -> list[dict[str, Any]] | None:
-    """The calls in one block's text, or None when it is not JSON objects each with a string name."""
+# ---- a block's text -> (name, arguments) pairs, or None ----
+
+def _json_calls(block: str) -> list[tuple[str, Any]] | None:
     try:
         value = json.loads(block)
     except ValueError:
         return None
-    objects = value if json_list and isinstance(value, list) else [value]
-    if not objects or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in objects):
+    objects = value if isinstance(value, list) else [value]
+    calls = []
+    for o in objects:
+        if not isinstance(o, dict):
+            return None
+        name = o.get("name", o.get("tool_name"))    # Command R names it tool_name
+        if not isinstance(name, str):
+            return None
+        try:
+            calls.append((name, _arguments(o.get("arguments", o.get("parameters", {})))))
+        except ValueError:
+            return None
+    return calls or None
+
+
+_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+_GLM_CALL = re.compile(r"([\w.:-]+)\s*((?:<arg_key>.*?</arg_key>\s*<arg_value>.*?</arg_value>\s*)*)", re.S)
+_GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+def _xml_calls(block: str, types: dict[str, dict[str, str]]) -> list[tuple[str, Any]] | None:
+    """Qwen3-Coder's <function=name><parameter=key>value</parameter></function>, one or more."""
+    functions = _XML_FUNCTION.findall(block)
+    if not functions or _XML_FUNCTION.sub("", block).strip():
         return None
-    return [openai_call(o["name"], o.get("arguments", {})) for o in objects]
+    return [(name, {key: _typed(value, types.get(name, {}).get(key)) for key, value in _XML_PARAMETER.findall(body)})
+            for name, body in functions]
+
+
+def _glm_calls(block: str, types: dict[str, dict[str, str]]) -> list[tuple[str, Any]] | None:
+    """GLM's name<arg_key>key</arg_key><arg_value>value</arg_value>..., one call a block."""
+    match = _GLM_CALL.fullmatch(block)
+    if match is None:
+        return None
+    name, declared = match[1], types.get(match[1], {})
+    return [(name, {key: _typed(value, declared.get(key)) for key, value in _GLM_ARGUMENT.findall(match[2])})]
+
+
+def _python_calls(block: str) -> list[tuple[str, Any]] | None:
+    """LFM2's [name(key=value, ...), ...], values Python literals."""
+    try:
+        tree = ast.parse(block, mode="eval").body
+        nodes = tree.elts if isinstance(tree, ast.List) else [tree]
+        if not all(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and not n.args for n in nodes):
+            return None
+        return [(n.func.id, {k.arg: ast.literal_eval(k.value) for k in n.keywords}) for n in nodes] or None
+    except (SyntaxError, ValueError, TypeError):
+        return None
+
+
+# one call between tokens: (name, JSON arguments)
+_TAGGED_CALLS = (
+    re.compile(r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>)?([^<\n]+?)(?:<｜tool▁sep｜>|\n```json\n)(.*?)(?:\n```)?"
+               r"<｜tool▁call▁end｜>", re.S),
+    re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?([^:<\s]+)(?::\d+)?\s*<\|tool_call_argument_begin\|>(.*?)"
+               r"<\|tool_call_end\|>", re.S),
+    re.compile(r"<\|tool_call:begin\|>.*?<\|tool_call:name\|>(.*?)<\|tool_call:args\|>(.*?)<\|tool_call:end\|>", re.S),
+)
+
+
+def _tagged_calls(block: str) -> list[tuple[str, Any]] | None:
+    """DeepSeek's, Kimi's and Solar's calls: a name and JSON arguments between special tokens."""
+    for pattern in _TAGGED_CALLS:
+        found = pattern.findall(block)
+        if found and not pattern.sub("", block).strip():
+            try:
+                return [(name.strip(), _arguments(json.loads(text))) for name, text in found]
+            except ValueError:
+                return None
+    return None
+
+
+def _arguments(value: Any) -> Any:
+    """Arguments as an object; some templates show them as a JSON string of it (raises ValueError if bad)."""
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def _typed(value: str, schema_type: str | None) -> Any:
+    """An XML-written argument: text for a string parameter (or one the tools do not describe), else JSON."""
+    if schema_type in (None, "string"):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def parse_calls(block: str, types: dict[str, dict[str, str]] | None = None,
+                short_ids: bool = False) -> list[dict[str, Any]] | None:
+    """The calls written in one block, or None when it holds none. ``types``: tool name -> parameter name
+    -> the JSON type the tools declare, for arguments written as text."""
+    block, types = block.strip(), types or {}
+    calls = (_json_calls(block) or _xml_calls(block, types) or _glm_calls(block, types)
+             or _python_calls(block) or _tagged_calls(block))
+    if calls is None or not all(isinstance(arguments, dict) for _, arguments in calls):
+        return None
+    return [openai_call(name, arguments, short_ids) for name, arguments in calls]
+
+
+def parameter_types(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, str]]:
+    """tool name -> parameter name -> its declared JSON type, from a request's tools."""
+    types: dict[str, dict[str, str]] = {}
+    for tool in tools or []:
+        function = tool.get("function", {})
+        properties = (function.get("parameters") or {}).get("properties") or {}
+        types[function["name"]] = {k: v.get("type") for k, v in properties.items() if isinstance(v, dict)}
+    return types
 
 
 class ToolCallParser:
@@ -71,16 +212,20 @@ class ToolCallParser:
     Whitespace between content and a block, and right after a parsed block, is dropped: a reply of calls
     alone has no content. A block that does not parse is given back with the whitespace before it."""
 
-    def __init__(self, call_format: ToolCallFormat) -> None:
+    def __init__(self, call_format: ToolCallFormat, tools: list[dict[str, Any]] | None = None) -> None:
         self.format = call_format
+        self.types = parameter_types(tools)
         self.calls: list[dict[str, Any]] = []
         self.pending = ""          # held-back text: a block's body when inside, else a possible marker
         self.inside = False
         self.before_block = ""     # the whitespace dropped before the open block, given back if it fails
         self.after_call = False    # drop whitespace until the next visible text
+        self.started = False       # visible text has passed: a whole-reply block can no longer start
 
     def feed(self, text: str) -> str:
         self.pending += text
+        if self.format.whole_reply:
+            return self._feed_whole_reply()
         content = ""
         while self.pending:
             if self.inside:
@@ -113,17 +258,39 @@ class ToolCallParser:
             break
         return content
 
+    def _feed_whole_reply(self) -> str:
+        """Hold the reply while it can still be a call: it starts (after whitespace and the lead marker)
+        with the open marker; anything else is content from its first character on."""
+        if self.started:
+            content, self.pending = self.pending, ""
+            return content
+        head = self.pending.lstrip()
+        lead = self.format.lead
+        if lead and (lead.startswith(head) or head.startswith(lead)):
+            head = head[len(lead):].lstrip() if head.startswith(lead) else ""
+        if not head or head.startswith(self.format.open_marker):
+            self.inside = bool(head)
+            return ""
+        self.started = True
+        content, self.pending = self.pending, ""
+        return content
+
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """The content still held back, and every call the reply made. A block left open is parsed as it
-        stands (Mistral's always is: it runs to the end)."""
+        stands (one that runs to the end always is)."""
         held, self.pending = self.pending, ""
+        if self.format.whole_reply:
+            body = held.lstrip().removeprefix(self.format.lead)
+            calls = parse_calls(body, self.types, self.format.short_ids) if self.inside else None
+            self.calls.extend(calls or [])
+            return ("" if calls else held), self.calls
         content = self._close_block(held, closed=False) if self.inside else held
         return content, self.calls
 
     def _close_block(self, body: str, closed: bool) -> str:
         """Record the block's calls and return "", or return the block as written when it does not parse."""
         self.inside = False
-        calls = parse_calls(body.strip(), self.format.json_list)
+        calls = parse_calls(body, self.types, self.format.short_ids)
         if calls is None:
             close = self.format.close_marker if closed else ""
             return self.before_block + self.format.open_marker + body + (close or "")

@@ -22,6 +22,7 @@ from lse_core.protocol import (
     parse_completion,
 )
 from lse_core.sampling import generation_defaults
+from lse_core.template.render import ChatTemplate
 
 USER = {"role": "user", "content": "hi"}
 
@@ -99,9 +100,24 @@ def test_assistant_tool_calls_and_reasoning_are_kept():
         {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "I should look."},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]})
-    assert request.messages[1] == {"role": "assistant", "content": "", "tool_calls": [call],
-                                   "reasoning_content": "I should look."}
+    as_object = call | {"function": {"name": "weather", "arguments": {"city": "Oslo"}}}
+    assert request.messages[1] == {"role": "assistant", "content": "", "reasoning_content": "I should look.",
+                                   "tool_calls": [as_object]}
     assert request.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+
+
+def test_earlier_call_arguments_are_an_object_and_their_text():
+    """Templates iterate the arguments, write them with tojson, or add them to a string."""
+    text = '{"city": "Oslo", "days": 2}'
+    call = {"id": "c", "type": "function", "function": {"name": "weather", "arguments": text}}
+    arguments = parse_chat({"messages": [USER, {"role": "assistant", "tool_calls": [call]}]}
+                           ).messages[1]["tool_calls"][0]["function"]["arguments"]
+    template = ChatTemplate("{% for k, v in a | items %}{{ k }}={{ v }};{% endfor %}"
+                            "|{{ a | tojson }}|{{ '(' + a + ')' }}")
+    assert template.render_raw([], a=arguments) == f"city=Oslo;days=2;|{text}|({text})"
+    not_json = {"id": "c", "type": "function", "function": {"name": "weather", "arguments": "city=Oslo"}}
+    assert parse_chat({"messages": [USER, {"role": "assistant", "tool_calls": [not_json]}]}
+                      ).messages[1]["tool_calls"] == [not_json]
 
 
 def test_tools_and_tool_choice_pass_through():

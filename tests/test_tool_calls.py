@@ -21,12 +21,30 @@ from test_api_contract import hf_reference, open_engine, render_reference, reply
 from test_thinking_e2e import renamed
 
 from lse_core.api import LSE
-from lse_core.tools import HERMES, MISTRAL, ToolCallParser, tool_call_format
+from lse_core.protocol import parse_chat
+from lse_core.template.render import ChatTemplate
+from lse_core.tools import (
+    APRIEL,
+    COMMAND_R,
+    DEEPSEEK,
+    GRANITE,
+    HERMES,
+    KIMI,
+    LFM2,
+    LLAMA3,
+    MISTRAL,
+    SOLAR,
+    ToolCallFormat,
+    ToolCallParser,
+    parameter_types,
+    parse_calls,
+    tool_call_format,
+)
 
 TEMPLATES = Path("/work/shared/fixtures/chat_templates")
 CALL = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
 CALL_JSON = json.dumps(CALL)
-CALL_ID = re.compile(r"call_[0-9a-f]{24}")
+CALL_ID = re.compile(r"call_[0-9a-f]{24}|[A-Za-z0-9]{9}")   # Mistral's templates check for 9 characters
 
 
 def call_of(call: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -37,23 +55,116 @@ def call_of(call: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return call["function"]["name"], json.loads(call["function"]["arguments"])
 
 
-def parse(deltas: list[str], call_format=HERMES) -> tuple[list[str], list[dict[str, Any]]]:
+def parse(deltas: list[str], call_format=HERMES, tools=None) -> tuple[list[str], list[dict[str, Any]]]:
     """The content streamed for each delta, then the held-back content, and the calls."""
-    parser = ToolCallParser(call_format)
+    parser = ToolCallParser(call_format, tools)
     streamed_content = [parser.feed(delta) for delta in deltas]
     held, calls = parser.finish()
     return [*streamed_content, held], calls
 
 
-# ---- the format, from the template's text ----
+# ---- the format, from the template's text, and a call as the template writes it ----
 
-@pytest.mark.parametrize("name, expected", [
-    ("Qwen-Qwen2.5-7B-Instruct", HERMES), ("Qwen-Qwen3-0.6B", HERMES),
-    ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use", HERMES),
-    ("mistralai-Mistral-Nemo-Instruct-2407", MISTRAL),
-    ("HuggingFaceTB-SmolLM2-135M-Instruct", None), ("meta-llama-Llama-3.2-3B-Instruct", None)])
-def test_format_comes_from_the_template(name: str, expected) -> None:
-    assert tool_call_format((TEMPLATES / f"{name}.jinja").read_text()) == expected
+FORMATS: dict[str, ToolCallFormat | None] = {
+    "Bielik-11B-v3.0-Instruct": HERMES, "CohereForAI-c4ai-command-r7b-12-2024-tool_use": COMMAND_R,
+    "GLM-4.7-Flash": HERMES, "LFM2-8B-A1B": LFM2, "LFM2.5-8B-A1B": LFM2, "MiMo-VL": HERMES,
+    "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": HERMES, "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": HERMES,
+    "Qwen-QwQ-32B": HERMES, "Qwen-Qwen2.5-7B-Instruct": HERMES, "Qwen-Qwen2.5-Coder-0.5B-Instruct": HERMES,
+    "Qwen-Qwen3-0.6B": HERMES, "Qwen3-Coder": HERMES, "Reka-Edge": HERMES, "qwen38-synthetic": HERMES,
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": DEEPSEEK, "deepseek-ai-DeepSeek-V3.1": DEEPSEEK,
+    "ibm-granite-granite-3.3-2B-Instruct": GRANITE, "ibm-granite-granite-4.0": HERMES,
+    "ibm-granite-granite-4.1": HERMES, "meta-llama-Llama-3.1-8B-Instruct": LLAMA3,
+    "meta-llama-Llama-3.2-3B-Instruct": LLAMA3, "mistralai-Mistral-Nemo-Instruct-2407": MISTRAL,
+    "moonshotai-Kimi-K2": KIMI, "ollama-laguna-v8": HERMES, "ollama-nemotron3nano": HERMES,
+    "poolside-Laguna-XS.2": HERMES, "stepfun-ai-Step-3.5-Flash": HERMES, "unsloth-Apriel-1.5": APRIEL,
+    "upstage-Solar-Open-100B": SOLAR,
+    # no tools, or a way of calling LSE does not read (the reply stays content)
+    "GigaChat3-10B-A1.8B": None, "HuggingFaceTB-SmolLM2-135M-Instruct": None, "HuggingFaceTB-SmolLM3-3B": None,
+    "google-gemma-2-2b-it": None, "google-gemma-4-31B-it": None, "microsoft-Phi-3.5-mini-instruct": None,
+    "openai-gpt-oss-120b": None,
+}
+# Templates that do not write an assistant's earlier calls: the format their instructions show.
+SHOWN = {
+    "ibm-granite-granite-3.3-2B-Instruct":
+        '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]',
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B":
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+        '```json\n{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+}
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+WEATHER_ARGUMENTS = {"city": "Paris", "days": 3}
+END_OF_TURN = ("</s>", "<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "<｜end▁of▁sentence｜>")
+
+
+def template_source(name: str) -> str:
+    return (TEMPLATES / f"{name}.jinja").read_text()
+
+
+def test_every_fixture_template_is_classified() -> None:
+    assert set(FORMATS) == {path.stem for path in TEMPLATES.glob("*.jinja")}
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_format_comes_from_the_template(name: str) -> None:
+    assert tool_call_format(template_source(name)) == FORMATS[name]
+
+
+def written_call(name: str, call_format: ToolCallFormat) -> str:
+    """The call block as the template writes an assistant's earlier call (OpenAI's JSON-text arguments
+    and a 9-character id, which Mistral's template insists on), up to the end of its turn."""
+    if name in SHOWN:
+        return SHOWN[name]
+    call = {"id": "ChV3Idxd6", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps(WEATHER_ARGUMENTS)}}
+    messages = parse_chat({"messages": [{"role": "user", "content": "Weather in Paris?"},
+                                        {"role": "assistant", "content": None, "tool_calls": [call]}]}).messages
+    template = ChatTemplate(template_source(name), special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+    text = template.render(messages, tools=WEATHER_TOOLS, add_generation_prompt=False)
+    text = text[text.rindex('{"name"' if call_format.whole_reply else call_format.open_marker):]
+    if call_format.close_marker is not None:
+        return text[:text.index(call_format.close_marker) + len(call_format.close_marker)]
+    return text[:min(text.find(end) % (len(text) + 1) for end in END_OF_TURN)]
+
+
+@pytest.mark.parametrize("name", sorted(n for n, f in FORMATS.items() if f is not None))
+def test_a_call_as_the_template_writes_it_reads_back(name: str) -> None:
+    """What the model learned from its template, split at 17 places, is the same call and no content."""
+    call_format = FORMATS[name]
+    text = written_call(name, call_format)
+    for split in range(0, len(text) + 1, max(1, len(text) // 16)):
+        content, calls = parse([text[:split], text[split:]], call_format, WEATHER_TOOLS)
+        assert "".join(content) == "", (split, content)
+        assert [call_of(c) for c in calls] == [("get_weather", WEATHER_ARGUMENTS)]
+        assert call_format is not MISTRAL or len(calls[0]["id"]) == 9
+
+
+def test_xml_arguments_are_text_unless_the_tool_declares_another_type() -> None:
+    block = "<function=f>\n<parameter=n>\n3\n</parameter>\n<parameter=s>\n3\n</parameter>\n</function>"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"n": {"type": "number"}}}}}]
+    assert json.loads(parse_calls(block, {})[0]["function"]["arguments"]) == {"n": "3", "s": "3"}
+    assert json.loads(parse_calls(block, parameter_types(tools))[0]["function"]["arguments"]) == {"n": 3, "s": "3"}
+
+
+def test_lfm2_python_calls() -> None:
+    text = '<|tool_call_start|>[get_weather(city="Paris", days=3), get_time()]<|tool_call_end|>Checking.'
+    content, calls = parse([text], LFM2)
+    assert "".join(content) == "Checking."
+    assert [call_of(c) for c in calls] == [("get_weather", WEATHER_ARGUMENTS), ("get_time", {})]
+
+
+@pytest.mark.parametrize("reply", ["The weather is fine.", "  {not a call} at all", '{"name": "f"} and more'])
+def test_llama3_reply_that_is_not_a_call_is_content(reply: str) -> None:
+    for deltas in ([reply], list(reply)):
+        content, calls = parse(deltas, LLAMA3)
+        assert "".join(content) == reply and calls == []
+
+
+def test_llama3_call_after_the_python_tag() -> None:
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}'
+    for deltas in ([text], list(text)):
+        content, calls = parse(deltas, LLAMA3)
+        assert "".join(content) == "" and [call_of(c) for c in calls] == [("get_weather", WEATHER_ARGUMENTS)]
 
 
 # ---- the parser ----
@@ -154,18 +265,21 @@ def vocab(model: Path) -> tokenizers.Tokenizer:
     return tokenizers.Tokenizer.from_file(str(model / "tokenizer.json"))
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny qwen3 checkpoint whose tokenizer knows the markers and the call as added tokens."""
+@pytest.fixture(scope="module", params=[False, True], ids=["plain_markers", "special_markers"])
+def base(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny qwen3 checkpoint whose tokenizer knows the markers and the call as added tokens; the
+    markers are special tokens in one (as Mistral's [TOOL_CALLS] is), which a plain decode drops."""
     base_vocab = tokenizers.Tokenizer.from_str(train_tokenizer()).get_vocab_size()
     model = write_checkpoint(tmp_path_factory.mktemp("tools"), "qwen3", chat_template=HERMES_TEMPLATE,
                              vocab_size=base_vocab + len(ADDED))
     tokenizer = vocab(model)
-    tokenizer.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in ADDED])
+    special = {t: request.param and t != CALL_JSON for t in ADDED}
+    tokenizer.add_tokens([tokenizers.AddedToken(t, special=special[t], normalized=False) for t in ADDED])
     tokenizer.save(str(model / "tokenizer.json"))
     config = json.loads((model / "tokenizer_config.json").read_text())
     for token in ADDED:
-        config["added_tokens_decoder"][str(tokenizer.token_to_id(token))] = {"content": token, "special": False}
+        entry = {"content": token, "special": special[token]}
+        config["added_tokens_decoder"][str(tokenizer.token_to_id(token))] = entry
     (model / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return model
 

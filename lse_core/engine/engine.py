@@ -41,7 +41,8 @@ class Engine:
         refusal = self.plan.refusal(_sampling_ops(params))
         if refusal is not None:
             raise server_error(f"CPU fallback disabled: {refusal}")
-        seq = Sequence(params, on_delta, on_finish, self.tokenizer.decode_stream(), self.tokenizer.backend)
+        seq = Sequence(params, on_delta, on_finish, self.tokenizer.decode_stream(params.skip_special_tokens),
+                       self.tokenizer.backend)
         with self._cond:
             if self._stopping:
                 raise server_error("the engine is closed", status=503)

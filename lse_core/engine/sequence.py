@@ -31,6 +31,7 @@ class SeqParams:
     eos_ids: tuple[int, ...] = ()
     top_logprobs: int | None = None            # None: no logprobs; n >= 0: the token's and n top ones
     splitter: Splitter | None = None
+    skip_special_tokens: bool = True           # False keeps markers a tool-call parser reads
 
 
 @dataclass
@@ -154,7 +155,7 @@ class Sequence:
         """Text the incremental detokenizer still holds back (an incomplete UTF-8 character at the
         end of the reply), decoded the way a whole-reply decode would show it."""
         ids = [t for t in self.output if t not in self.params.eos_ids]
-        whole = self._vocab.decode(ids, skip_special_tokens=True)
+        whole = self._vocab.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
         return whole[len(self._decoded):] if whole.startswith(self._decoded) else ""
 
 
