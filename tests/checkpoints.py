@@ -42,6 +42,8 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(SMALL, tie_word_embeddings=True, rope_theta=10000.0),     # SmolLM2-like
     "qwen2": dict(SMALL, tie_word_embeddings=False, rope_theta=1000000.0),
     "qwen3": dict(SMALL, num_hidden_layers=3, head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0),
+    "mistral": dict(SMALL, head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0),
+    "granite": dict(SMALL, tie_word_embeddings=True, rope_theta=10000.0),
 }
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"

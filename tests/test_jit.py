@@ -363,6 +363,8 @@ def assert_close(mine: np.ndarray, reference: np.ndarray, ratio: float, label: s
     ("llama", {}),
     ("qwen3", {}),
     ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    ("granite", dict(embedding_multiplier=12.0, attention_multiplier=0.0625, residual_multiplier=0.22,
+                     logits_scaling=8.0)),
 ])
 def test_float32_model_gives_the_interpreters_greedy_ids_and_logits(jit, tiny_checkpoint, arch, options):
     """float32 weights: only summation order differs from the interpreter, so 1e-4 of the logit scale."""

@@ -30,6 +30,12 @@ VARIANTS = {
     # layers from max_window_layers on attend to the last 5 positions only
     "qwen2-sliding-window": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
     "qwen3": ("qwen3", {}),
+    # every layer attends to the last 5 positions
+    "mistral-sliding-window": ("mistral", dict(sliding_window=5)),
+    "mistral": ("mistral", dict(sliding_window=None)),
+    # Granite 3's multipliers, at values of the size the real configs use
+    "granite": ("granite", dict(embedding_multiplier=12.0, attention_multiplier=0.0625, residual_multiplier=0.22,
+                                logits_scaling=8.0)),
 }
 
 

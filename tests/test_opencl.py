@@ -336,6 +336,8 @@ MODEL_VARIANTS = {
     "llama": ("llama", {}),
     "qwen2-sliding-window": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
     "qwen3": ("qwen3", {}),
+    "granite": ("granite", dict(embedding_multiplier=12.0, attention_multiplier=0.0625, residual_multiplier=0.22,
+                                logits_scaling=8.0)),
 }
 
 

@@ -80,15 +80,17 @@ def rope_attrs(model: Model, head_dim: int) -> dict[str, Any]:
 
 
 def layer_windows(config: dict[str, Any], n_layers: int) -> list[int]:
-    """Sliding-window length per layer from ``layer_types`` (transformers 5) or Qwen2's older
-    ``use_sliding_window`` + ``max_window_layers``; 0 means the layer attends to the whole context."""
+    """Sliding-window length per layer from ``layer_types`` (transformers 5), Qwen2's older
+    ``use_sliding_window`` + ``max_window_layers``, or else Mistral's ``sliding_window`` alone, which
+    bounds every layer; 0 means the layer attends to the whole context."""
     window = int(config.get("sliding_window") or 0)
     types = config.get("layer_types")
     if types:
         return [window if t == "sliding_attention" else 0 for t in types[:n_layers]]
-    if config.get("use_sliding_window"):
-        return [window if i >= int(config.get("max_window_layers", 0)) else 0 for i in range(n_layers)]
-    return [0] * n_layers
+    if "use_sliding_window" in config:
+        on = bool(config["use_sliding_window"])
+        return [window if on and i >= int(config.get("max_window_layers", 0)) else 0 for i in range(n_layers)]
+    return [window] * n_layers
 
 
 class GraphBuilder:
@@ -130,8 +132,10 @@ class GraphBuilder:
         return graph
 
 
-def attention_block(b: GraphBuilder, args: ModelArgs, i: int, x: str, *, qkv_bias: bool, qk_norm: bool) -> str:
-    """Self-attention of layer i on the normed input x; returns the o_proj output."""
+def attention_block(b: GraphBuilder, args: ModelArgs, i: int, x: str, *, qkv_bias: bool, qk_norm: bool,
+                    scale: float | None = None) -> str:
+    """Self-attention of layer i on the normed input x; returns the o_proj output. Scores are scaled by
+    ``scale``, head_dim^-0.5 by default."""
     p, hd = f"model.layers.{i}.self_attn", args.head_dim
     q_width, kv_width = args.num_attention_heads * hd, args.num_key_value_heads * hd
     q = b.linear(x, f"{p}.q_proj", (q_width, args.hidden_size), f"l{i}.q", i, qkv_bias)
@@ -145,7 +149,8 @@ def attention_block(b: GraphBuilder, args: ModelArgs, i: int, x: str, *, qkv_bia
     q = b.emit("rope", (q,), f"l{i}.q_rope", (), i, **args.rope)
     k = b.emit("rope", (k,), f"l{i}.k_rope", (), i, **args.rope)
     attn = b.emit("attention", (q, k, v), f"l{i}.attn", (), i, n_heads=args.num_attention_heads,
-                  n_kv_heads=args.num_key_value_heads, head_dim=hd, scale=hd ** -0.5, window=args.windows[i])
+                  n_kv_heads=args.num_key_value_heads, head_dim=hd, scale=hd ** -0.5 if scale is None else scale,
+                  window=args.windows[i])
     return b.linear(attn, f"{p}.o_proj", (args.hidden_size, q_width), f"l{i}.attn_out", i, args.attention_bias)
 
 
