@@ -365,6 +365,8 @@ def assert_close(mine: np.ndarray, reference: np.ndarray, ratio: float, label: s
     ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
     ("granite", dict(embedding_multiplier=12.0, attention_multiplier=0.0625, residual_multiplier=0.22,
                      logits_scaling=8.0)),
+    ("phi3", dict(partial_rotary_factor=0.75, original_max_position_embeddings=16, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0] * 6, "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 30.0]})),
 ])
 def test_float32_model_gives_the_interpreters_greedy_ids_and_logits(jit, tiny_checkpoint, arch, options):
     """float32 weights: only summation order differs from the interpreter, so 1e-4 of the logit scale."""

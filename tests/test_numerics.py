@@ -36,6 +36,16 @@ VARIANTS = {
     # Granite 3's multipliers, at values of the size the real configs use
     "granite": ("granite", dict(embedding_multiplier=12.0, attention_multiplier=0.0625, residual_multiplier=0.22,
                                 logits_scaling=8.0)),
+    "phi3": ("phi3", {}),
+    # Phi-3.5 / Phi-4-mini: longrope inside the trained context (short factors), partial rotary as Phi-4-mini's
+    "phi3-longrope-short": ("phi3", dict(partial_rotary_factor=0.75, original_max_position_embeddings=4096,
+                                         max_position_embeddings=131072, rope_scaling={
+                                             "rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 2.0, 3.5, 6.0],
+                                             "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 30.0]})),
+    # a trained context of 16 that every prompt here exceeds: the long factors throughout
+    "phi3-longrope-long": ("phi3", dict(original_max_position_embeddings=16, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0] * 8,
+        "long_factor": [1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 12.0, 16.0]})),
 }
 
 

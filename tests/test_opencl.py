@@ -338,6 +338,8 @@ MODEL_VARIANTS = {
     "qwen3": ("qwen3", {}),
     "granite": ("granite", dict(embedding_multiplier=12.0, attention_multiplier=0.0625, residual_multiplier=0.22,
                                 logits_scaling=8.0)),
+    "phi3-longrope": ("phi3", dict(partial_rotary_factor=0.75, original_max_position_embeddings=16, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0] * 6, "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 30.0]})),
 }
 
 

@@ -244,7 +244,7 @@ class CUDADevice(Device):
         return matmul
 
     def _rope(self, node: Node, weights: Mapping[str, Any], ctx: CompileContext) -> Kernel:
-        inv_freq = cupy.asarray(rope_inv_freq(node.attrs))
+        inv_freq = cupy.asarray(rope_inv_freq(node.attrs, ctx.kv_len))
         head_dim = int(node.attrs["head_dim"])
         rotary_dim = 2 * len(inv_freq)
         program = self.programs["rope"]

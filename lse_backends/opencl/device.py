@@ -226,7 +226,7 @@ class OpenCLDevice(Device):
     def _rope(self, node: Node, weights: Mapping[str, Any], ctx: CompileContext) -> Kernel:
         head_dim = int(node.attrs["head_dim"])
         rotary_dim = int(node.attrs.get("rotary_dim") or head_dim)
-        inv_freq = self.allocator.upload(rope_inv_freq(node.attrs))
+        inv_freq = self.allocator.upload(rope_inv_freq(node.attrs, ctx.kv_len))
         kernel = self._program(kernels.ROPE).kernel("rope")
 
         def run(args: Sequence[CLTensor], step: Step) -> list[CLTensor]:

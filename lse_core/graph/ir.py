@@ -139,10 +139,11 @@ class Step:
         return len(self.slots)
 
 
-def rope_inv_freq(attrs: dict[str, Any]) -> np.ndarray:
+def rope_inv_freq(attrs: dict[str, Any], n_positions: int | None = None) -> np.ndarray:
     """Inverse frequencies for a rope node: base ``theta``, ``rotary_dim`` (default head_dim), and
-    Hugging Face's rope_scaling kinds ``linear`` and ``llama3``, or a GGUF's per-frequency divisors
-    (``freq_factors``). One place, for every backend."""
+    Hugging Face's rope_scaling kinds ``linear``, ``llama3`` and ``longrope``, or a GGUF's per-frequency
+    divisors (``freq_factors``). One place, for every backend. ``n_positions`` (the context) picks
+    longrope's factors: the long ones when it exceeds the trained context, as llama.cpp picks them."""
     head_dim = attrs["head_dim"]
     rotary_dim = attrs.get("rotary_dim") or head_dim
     theta = float(attrs["theta"])
@@ -160,8 +161,12 @@ def rope_inv_freq(attrs: dict[str, Any]) -> np.ndarray:
         scaled = np.where(wavelen > old_ctx / low, inv / factor, inv)
         mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
         inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    elif kind == "freq_factors":    # a GGUF's rope_freqs.weight
-        factors = np.asarray(scaling["factors"], dtype=np.float64)
+    elif kind in ("freq_factors", "longrope"):   # a GGUF's rope_freqs.weight; Phi-3's short/long factors
+        if kind == "longrope":
+            long = n_positions is not None and n_positions > int(scaling["original_max_position_embeddings"])
+            factors = np.asarray(scaling["long_factor" if long else "short_factor"], dtype=np.float64)
+        else:
+            factors = np.asarray(scaling["factors"], dtype=np.float64)
         if factors.shape != inv.shape:
             raise ValueError(f"{len(factors)} rope frequency factors for {len(inv)} frequencies")
         inv = inv / factors
@@ -173,7 +178,7 @@ def rope_inv_freq(attrs: dict[str, Any]) -> np.ndarray:
 def rope_cos_sin(attrs: dict[str, Any], n_positions: int) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin [n_positions, rotary_dim / 2] of a rope node's angles for every position, float32 as
     Hugging Face computes them; one read-only pair for every node (and plan) with the same frequencies."""
-    return _cos_sin(rope_inv_freq(attrs).tobytes(), n_positions)
+    return _cos_sin(rope_inv_freq(attrs, n_positions).tobytes(), n_positions)
 
 
 @functools.lru_cache(maxsize=16)  # keyed by the frequencies' bytes: arrays do not hash

@@ -70,10 +70,13 @@ def rope_attrs(model: Model, head_dim: int) -> dict[str, Any]:
         theta, scaling = params["rope_theta"], params
     else:
         theta, scaling = config.get("rope_theta", 10000.0), config.get("rope_scaling")
-    rotary_dim = int(head_dim * float(config.get("partial_rotary_factor", 1.0)))
-    attrs = {"head_dim": head_dim, "theta": float(theta), "scaling": scaling, "rotary_dim": rotary_dim}
+    if isinstance(scaling, dict) and "original_max_position_embeddings" in config:   # Phi-3 keeps it outside
+        scaling = {"original_max_position_embeddings": config["original_max_position_embeddings"], **scaling}
+    rotary = float((scaling or {}).get("partial_rotary_factor") or config.get("partial_rotary_factor", 1.0))
+    attrs = {"head_dim": head_dim, "theta": float(theta), "scaling": scaling, "rotary_dim": int(head_dim * rotary)}
     try:
-        ir.rope_inv_freq(attrs)
+        for n_positions in (None, 2**31):   # both of longrope's factor sets
+            ir.rope_inv_freq(attrs, n_positions)
     except (ValueError, KeyError) as e:
         raise StartupError(f"{model.source}: config.json rope settings are not supported: {e}") from None
     return attrs
