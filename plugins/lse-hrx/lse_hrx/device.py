@@ -79,7 +79,7 @@ def linear(node: Node, params: list[np.ndarray], ctx: CompileContext) -> Body:
 
 
 def rope(node: Node, params: list[np.ndarray], ctx: CompileContext) -> Body:
-    head_dim, inv_freq = node.attrs["head_dim"], rope_inv_freq(node.attrs)
+    head_dim, inv_freq = node.attrs["head_dim"], rope_inv_freq(node.attrs, ctx.kv_len)
     half = len(inv_freq)
 
     def run(inputs: Sequence[np.ndarray], step: Step) -> list[np.ndarray]:
