@@ -45,6 +45,7 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": dict(SMALL, head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0),
     "granite": dict(SMALL, tie_word_embeddings=True, rope_theta=10000.0),
     "phi3": dict(SMALL, tie_word_embeddings=False, rope_theta=10000.0, pad_token_id=0, sliding_window=None),
+    "smollm3": dict(SMALL, num_hidden_layers=4, tie_word_embeddings=True, rope_theta=2000000.0, pad_token_id=0),
 }
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"

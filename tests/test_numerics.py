@@ -37,6 +37,7 @@ VARIANTS = {
     "granite": ("granite", dict(embedding_multiplier=12.0, attention_multiplier=0.0625, residual_multiplier=0.22,
                                 logits_scaling=8.0)),
     "phi3": ("phi3", {}),
+    "smollm3": ("smollm3", {}),    # layer 3 of 4 has no rope (transformers' default no_rope_layers)
     # Phi-3.5 / Phi-4-mini: longrope inside the trained context (short factors), partial rotary as Phi-4-mini's
     "phi3-longrope-short": ("phi3", dict(partial_rotary_factor=0.75, original_max_position_embeddings=4096,
                                          max_position_embeddings=131072, rope_scaling={

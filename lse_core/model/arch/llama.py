@@ -136,9 +136,9 @@ class GraphBuilder:
 
 
 def attention_block(b: GraphBuilder, args: ModelArgs, i: int, x: str, *, qkv_bias: bool, qk_norm: bool,
-                    scale: float | None = None) -> str:
+                    scale: float | None = None, rope: bool = True) -> str:
     """Self-attention of layer i on the normed input x; returns the o_proj output. Scores are scaled by
-    ``scale``, head_dim^-0.5 by default."""
+    ``scale``, head_dim^-0.5 by default; ``rope`` False leaves q and k unrotated (SmolLM3's NoPE layers)."""
     p, hd = f"model.layers.{i}.self_attn", args.head_dim
     q_width, kv_width = args.num_attention_heads * hd, args.num_key_value_heads * hd
     q = b.linear(x, f"{p}.q_proj", (q_width, args.hidden_size), f"l{i}.q", i, qkv_bias)
@@ -149,8 +149,9 @@ def attention_block(b: GraphBuilder, args: ModelArgs, i: int, x: str, *, qkv_bia
                    eps=args.rms_norm_eps, group=hd)
         k = b.emit("rms_norm", (k,), f"l{i}.k_normed", (b.weight(f"{p}.k_norm.weight", (hd,)),), i,
                    eps=args.rms_norm_eps, group=hd)
-    q = b.emit("rope", (q,), f"l{i}.q_rope", (), i, **args.rope)
-    k = b.emit("rope", (k,), f"l{i}.k_rope", (), i, **args.rope)
+    if rope:
+        q = b.emit("rope", (q,), f"l{i}.q_rope", (), i, **args.rope)
+        k = b.emit("rope", (k,), f"l{i}.k_rope", (), i, **args.rope)
     attn = b.emit("attention", (q, k, v), f"l{i}.attn", (), i, n_heads=args.num_attention_heads,
                   n_kv_heads=args.num_key_value_heads, head_dim=hd, scale=hd ** -0.5 if scale is None else scale,
                   window=args.windows[i])
@@ -167,9 +168,11 @@ def mlp_block(b: GraphBuilder, args: ModelArgs, i: int, x: str, activation: str 
     return b.linear(mixed, f"{p}.down_proj", shape[::-1], f"l{i}.mlp_out", i, args.mlp_bias)
 
 
-def build(model: Model, *, qkv_bias: bool | None = None, qk_norm: bool = False) -> ir.Graph:
+def build(model: Model, *, qkv_bias: bool | None = None, qk_norm: bool = False,
+          rope_layers: list[bool] | None = None) -> ir.Graph:
     """The forward graph. ``qkv_bias`` overrides config.json's attention_bias for q/k/v (Qwen2 always
-    has them); ``qk_norm`` adds Qwen3's per-head norms."""
+    has them); ``qk_norm`` adds Qwen3's per-head norms; ``rope_layers`` says which layers rotate q and k
+    (all by default)."""
     args = ModelArgs.from_config(model)
     b = GraphBuilder(model)
     embed = b.weight("model.embed_tokens.weight", (args.vocab_size, args.hidden_size))
@@ -178,7 +181,7 @@ def build(model: Model, *, qkv_bias: bool | None = None, qk_norm: bool = False) 
         n = b.rms_norm(h, f"model.layers.{i}.input_layernorm.weight", args.hidden_size, args.rms_norm_eps,
                        f"l{i}.attn_norm", i)
         attn = attention_block(b, args, i, n, qkv_bias=args.attention_bias if qkv_bias is None else qkv_bias,
-                               qk_norm=qk_norm)
+                               qk_norm=qk_norm, rope=rope_layers is None or rope_layers[i])
         h = b.emit("add", (h, attn), f"l{i}.h_attn", (), i)
         n = b.rms_norm(h, f"model.layers.{i}.post_attention_layernorm.weight", args.hidden_size,
                        args.rms_norm_eps, f"l{i}.mlp_norm", i)
