@@ -127,9 +127,10 @@ def _xml_calls(block: str, types: dict[str, dict[str, str]]) -> list[tuple[str, 
 
 
 def _glm_calls(block: str, types: dict[str, dict[str, str]]) -> list[tuple[str, Any]] | None:
-    """GLM's name<arg_key>key</arg_key><arg_value>value</arg_value>..., one call a block."""
+    """GLM's name<arg_key>key</arg_key><arg_value>value</arg_value>..., one call a block. A bare name
+    counts only when it is an offered tool's: any word would pass for one."""
     match = _GLM_CALL.fullmatch(block)
-    if match is None:
+    if match is None or not (match[2] or match[1] in types):
         return None
     name, declared = match[1], types.get(match[1], {})
     return [(name, {key: _typed(value, declared.get(key)) for key, value in _GLM_ARGUMENT.findall(match[2])})]

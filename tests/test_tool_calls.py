@@ -146,6 +146,13 @@ def test_xml_arguments_are_text_unless_the_tool_declares_another_type() -> None:
     assert json.loads(parse_calls(block, parameter_types(tools))[0]["function"]["arguments"]) == {"n": 3, "s": "3"}
 
 
+def test_glm_call_without_arguments_must_name_an_offered_tool() -> None:
+    assert parse_calls("get_weather", parameter_types(WEATHER_TOOLS))[0]["function"]["name"] == "get_weather"
+    assert parse_calls("oops", parameter_types(WEATHER_TOOLS)) is None
+    content, calls = parse(["[TOOL_CALLS]oops"], MISTRAL, WEATHER_TOOLS)
+    assert "".join(content) == "[TOOL_CALLS]oops" and calls == []
+
+
 def test_lfm2_python_calls() -> None:
     text = '<|tool_call_start|>[get_weather(city="Paris", days=3), get_time()]<|tool_call_end|>Checking.'
     content, calls = parse([text], LFM2)
