@@ -30,7 +30,7 @@ from lse_core.stats import Stats
 from lse_core.template.probe import Thinking, probe
 from lse_core.template.reasoning import reasoning_splitter
 from lse_core.template.render import ChatTemplate
-from lse_core.template.thinking import resolve_level, template_variables
+from lse_core.template.thinking import Level, resolve_level, template_variables
 from lse_core.tools import ToolCallParser, tool_call_format
 
 log = logging.getLogger("lse")
@@ -275,7 +275,7 @@ class _ReplyBuilder:
                                      [(spell(t), lp) for t, lp in entry["top"]])
 
 
-def _prompt(lse: LSE, req: protocol.GenerationRequest, level: Any, add_generation_prompt: bool = True,
+def _prompt(lse: LSE, req: protocol.GenerationRequest, level: Level | None, add_generation_prompt: bool = True,
             add_special: bool | None = None) -> tuple[str, list[int]]:
     """A request's prompt as text and as tokens: a chat's messages rendered by the template (the
     template writes its own special tokens), or a completion's prompt (the tokenizer adds its own)."""
