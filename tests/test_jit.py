@@ -109,6 +109,19 @@ def test_quantized_linear_is_the_dequantized_weight_times_the_activations(jit, q
     np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
+def test_a_type_decoded_to_float32_is_reported_once(caplog):
+    """Types the kernels do not read in place cost float32 memory at load: the log says which, once."""
+    device = JitDevice()
+    q5 = quantized("Q5_0", 8, 64)
+    with caplog.at_level("WARNING", logger="lse"):
+        for w in (q5, quantized("Q5_0", 8, 64), quantized("Q4_0", 8, 64)):
+            compile_group(device, [ir.Node("linear", ("x",), "y", ("w",))], {"w": w})
+    (record,) = caplog.records
+    ratio = 8 * 64 * 4 / q5.data.nbytes
+    assert record.getMessage() == (f"lse: jit:0 decodes Q5_0 weights to float32 at load ({ratio:.1f}x the bytes "
+                                   "the file stores); it reads Q4_0, Q4_1, Q8_0 in place")
+
+
 @pytest.mark.parametrize("n_rows", [1, 19])
 def test_linked_linears_of_one_input_share_their_work_items(jit, n_rows):
     """Consecutive quantized linears of one input and type become one instruction (three at most) whose

@@ -5,6 +5,7 @@ in host memory, so moving to and from it is free."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,6 +28,8 @@ else:
     from . import codegen, program, quant
     from .program import ATTENTION, EMBED, EMBED_Q, FUSED, LAST_ROWS, LINEAR, LINEAR_Q, RMS_NORM, ROPE, Instruction
 
+log = logging.getLogger("lse")
+
 
 class JitDevice(Device):
     """jit:0. Every model group compiles to a Program (program.py): instructions that one @njit call runs,
@@ -40,6 +43,7 @@ class JitDevice(Device):
         # id(weight) -> (weight, laid-out form): a weight read by several groups (tied embeddings) is
         # prepared once; the source is kept so its id stays unique
         self._prepared: dict[int, tuple[Any, Any]] = {}
+        self._decoded_types: set[str] = set()   # GGUF types decoded to float32, each reported once
 
     def _weight(self, weight: Any) -> tuple[int, np.ndarray] | np.ndarray:
         """(kind, blocks) for a GGUF type the quantized kernels read in place, else a float32 array."""
@@ -51,6 +55,11 @@ class JitDevice(Device):
             else:  # other types decode once, exactly, to float32
                 array = weight.dequantize() if hasattr(weight, "dequantize") else weight
                 form = np.ascontiguousarray(array, np.float32)
+                if qtype is not None and qtype not in self._decoded_types:
+                    self._decoded_types.add(qtype)
+                    log.warning("lse: jit:0 decodes %s weights to float32 at load (%.1fx the bytes the file "
+                                "stores); it reads %s in place", qtype, form.nbytes / weight.data.nbytes,
+                                ", ".join(quant.KINDS))
             entry = self._prepared[id(weight)] = (weight, form)
         return entry[1]
 
