@@ -574,40 +574,28 @@ def _dot_rows(x, weights, out):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _half(low, high):
-    """float32 of the f16 with bytes low, high."""
-    bits = np.int64(low) | (np.int64(high) << 8)
-    exponent, mantissa = (bits >> 10) & 0x1F, bits & 0x3FF
-    if exponent == 0x1F:
+def _ieee(bits, mantissa_bits, exponent_bits):
+    """float32 of the IEEE 754 number with these bits (f16: 10 and 5, float32: 23 and 8), exactly."""
+    top, bias = (1 << exponent_bits) - 1, (1 << (exponent_bits - 1)) - 1
+    exponent, mantissa = (bits >> mantissa_bits) & top, bits & ((1 << mantissa_bits) - 1)
+    if exponent == top:
         value = np.float32(np.inf) if mantissa == 0 else np.float32(np.nan)
     elif exponent == 0:
-        value = np.float32(math.ldexp(np.float64(mantissa), -24))
+        value = np.float32(math.ldexp(np.float64(mantissa), 1 - bias - mantissa_bits))
     else:
-        value = np.float32(math.ldexp(np.float64(mantissa + 1024), exponent - 25))
-    return -value if bits & 0x8000 else value
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _single(flat, at):
-    """float32 of the little-endian float32 at byte ``at`` of ``flat``."""
-    bits = np.int64(flat[at]) | (np.int64(flat[at + 1]) << 8) | (np.int64(flat[at + 2]) << 16) | \
-        (np.int64(flat[at + 3]) << 24)
-    exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
-    if exponent == 0xFF:
-        value = np.float32(np.inf) if mantissa == 0 else np.float32(np.nan)
-    elif exponent == 0:
-        value = np.float32(math.ldexp(np.float64(mantissa), -149))
-    else:
-        value = np.float32(math.ldexp(np.float64(mantissa + 0x800000), exponent - 150))
-    return -value if bits & 0x80000000 else value
+        value = np.float32(math.ldexp(np.float64(mantissa + (1 << mantissa_bits)), exponent - bias - mantissa_bits))
+    return -value if bits >> (mantissa_bits + exponent_bits) & 1 else value
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _field(flat, at, kind):
-    """A header field (d or m) at byte ``at``: Q4_K's are float32, the others' f16."""
+    """A header field (d or m) at byte ``at``, little-endian: Q4_K's are float32, the others' f16."""
     if kind == Q4_K:
-        return _single(flat, at)
-    return _half(flat[at], flat[at + 1])
+        bits = np.int64(0)
+        for i in range(4):
+            bits |= np.int64(flat[at + i]) << (8 * i)
+        return _ieee(bits, 23, 8)
+    return _ieee(np.int64(flat[at]) | (np.int64(flat[at + 1]) << 8), 10, 5)
 
 
 @njit(cache=True, nogil=True)
