@@ -198,6 +198,16 @@ def test_q6_k_is_laid_out_as_q8_0_blocks_with_a_float32_scale_per_half():
         quant.prepare("Q6_K", blocks[:, 1:])
 
 
+@pytest.mark.parametrize("qtype", [*QTYPES, *K_BLOCKS, "Q5_0"])
+def test_prepare_in_row_chunks_gives_the_same_layout(qtype, monkeypatch):
+    """Large weights are converted and laid out PREPARE_ROWS rows at a time: 37 rows in chunks of 16
+    (two whole chunks, then 5 rows kept as stored) come out as in one piece."""
+    blocks = gguf_weight(qtype, 37, 256)[0]
+    whole = quant.prepare(qtype, blocks)[1]
+    monkeypatch.setattr(quant, "PREPARE_ROWS", 16)
+    np.testing.assert_array_equal(quant.prepare(qtype, blocks)[1], whole)
+
+
 def test_q5_0_is_laid_out_as_q8_0_blocks():
     """Q5_0's 5-bit values fit int8: its blocks become Q8_0 blocks with the same d (embed_rows above: the
     same weight, bit for bit)."""

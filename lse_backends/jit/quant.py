@@ -747,23 +747,27 @@ def _from_q5_0(data: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
+_CONVERSIONS = {"Q4_K": _from_q4_k, "Q6_K": _from_q6_k, "Q5_0": _from_q5_0}
+PREPARE_ROWS = 4096   # rows converted and laid out at a time: a large embedding's temporaries stay small
+
+
 def prepare(qtype: str, data: np.ndarray) -> tuple[int, np.ndarray]:
     """(kind, blocks) that ``linear`` and ``embed_rows`` read, from a GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q6_K or
     Q5_0 weight's blocks [rows, n / 32 * block bytes]: a new array of the same shape and size (Q4_K, Q6_K,
-    Q5_0: of their ``_from_`` conversion's; see the module doc)."""
+    Q5_0: of their ``_CONVERSIONS``'; see the module doc)."""
     kind = KINDS[qtype]
     data = np.asarray(data, np.uint8)
-    if kind == Q4_K:
-        data = _from_q4_k(data)
-    elif kind == Q6_K:
-        data = _from_q6_k(data)
-    elif qtype == "Q5_0":
-        data = _from_q5_0(data)
-    if data.ndim != 2 or data.shape[1] % LAYOUT[kind][0]:
+    convert = _CONVERSIONS.get(qtype)
+    if convert is None and (data.ndim != 2 or data.shape[1] % LAYOUT[kind][0]):
         raise ValueError(f"{qtype} blocks must be [rows, n / 32 * {LAYOUT[kind][0]}] bytes, not {data.shape}")
-    grouped = data.shape[0] // GROUP * GROUP
-    blocks = np.empty_like(data)
-    blocks[grouped:] = data[grouped:]  # the last rows % 8 rows stay as they are
-    if grouped:
-        blocks[:grouped] = _interleave(data[:grouped], kind)
+    blocks = None
+    for start in range(0, data.shape[0], PREPARE_ROWS):
+        part = data[start:start + PREPARE_ROWS]
+        part = convert(part) if convert else part
+        if blocks is None:
+            blocks = np.empty((data.shape[0], part.shape[1]), np.uint8)
+        grouped = part.shape[0] // GROUP * GROUP
+        if grouped:
+            blocks[start:start + grouped] = _interleave(part[:grouped], kind)
+        blocks[start + grouped:start + len(part)] = part[grouped:]  # the last rows % 8 stay as they are
     return kind, blocks
