@@ -290,7 +290,9 @@ def _tools(value: Any, path: str) -> list[dict[str, Any]]:
         tool_path = f"{path}[{i}]"
         if _required(_object(tool, tool_path), "type", _string, tool_path) != "function":
             raise invalid_request(f"{tool_path}.type must be function", "invalid_value", f"{tool_path}.type")
-        _required(_required(tool, "function", _object, tool_path), "name", _string, f"{tool_path}.function")
+        function = _required(tool, "function", _object, tool_path)
+        _required(function, "name", _string, f"{tool_path}.function")
+        _optional(function, "parameters", _object, path=f"{tool_path}.function")
     return tools
 
 

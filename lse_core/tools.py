@@ -117,7 +117,7 @@ _GLM_CALL = re.compile(r"([\w.:-]+)\s*((?:<arg_key>.*?</arg_key>\s*<arg_value>.*
 _GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
-def _xml_calls(block: str, types: dict[str, dict[str, str]]) -> list[tuple[str, Any]] | None:
+def _xml_calls(block: str, types: dict[str, dict[str, Any]]) -> list[tuple[str, Any]] | None:
     """Qwen3-Coder's <function=name><parameter=key>value</parameter></function>, one or more."""
     functions = _XML_FUNCTION.findall(block)
     if not functions or _XML_FUNCTION.sub("", block).strip():
@@ -126,7 +126,7 @@ def _xml_calls(block: str, types: dict[str, dict[str, str]]) -> list[tuple[str, 
             for name, body in functions]
 
 
-def _glm_calls(block: str, types: dict[str, dict[str, str]]) -> list[tuple[str, Any]] | None:
+def _glm_calls(block: str, types: dict[str, dict[str, Any]]) -> list[tuple[str, Any]] | None:
     """GLM's name<arg_key>key</arg_key><arg_value>value</arg_value>..., one call a block. A bare name
     counts only when it is an offered tool's: any word would pass for one."""
     match = _GLM_CALL.fullmatch(block)
@@ -141,10 +141,11 @@ def _python_calls(block: str) -> list[tuple[str, Any]] | None:
     try:
         tree = ast.parse(block, mode="eval").body
         nodes = tree.elts if isinstance(tree, ast.List) else [tree]
-        if not all(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and not n.args for n in nodes):
+        if not all(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and not n.args
+                   and all(k.arg for k in n.keywords) for n in nodes):
             return None
         return [(n.func.id, {k.arg: ast.literal_eval(k.value) for k in n.keywords}) for n in nodes] or None
-    except (SyntaxError, ValueError, TypeError):
+    except (SyntaxError, ValueError, TypeError, RecursionError):
         return None
 
 
@@ -175,9 +176,10 @@ def _arguments(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
-def _typed(value: str, schema_type: str | None) -> Any:
-    """An XML-written argument: text for a string parameter (or one the tools do not describe), else JSON."""
-    if schema_type in (None, "string"):
+def _typed(value: str, schema_type: Any) -> Any:
+    """An XML-written argument: text for a string parameter (or one the tools do not describe), else JSON.
+    ``schema_type`` is the parameter's JSON-schema type: a name, or a list of them."""
+    if schema_type is None or "string" in (schema_type if isinstance(schema_type, list) else [schema_type]):
         return value
     try:
         return json.loads(value)
@@ -185,7 +187,7 @@ def _typed(value: str, schema_type: str | None) -> Any:
         return value
 
 
-def parse_calls(block: str, types: dict[str, dict[str, str]] | None = None,
+def parse_calls(block: str, types: dict[str, dict[str, Any]] | None = None,
                 short_ids: bool = False) -> list[dict[str, Any]] | None:
     """The calls written in one block, or None when it holds none. ``types``: tool name -> parameter name
     -> the JSON type the tools declare, for arguments written as text."""
@@ -197,13 +199,15 @@ def parse_calls(block: str, types: dict[str, dict[str, str]] | None = None,
     return [openai_call(name, arguments, short_ids) for name, arguments in calls]
 
 
-def parameter_types(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, str]]:
-    """tool name -> parameter name -> its declared JSON type, from a request's tools."""
-    types: dict[str, dict[str, str]] = {}
+def parameter_types(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """tool name -> parameter name -> its declared JSON type, from a request's tools (checked by
+    lse_core.protocol: a function has a name, its parameters are an object)."""
+    types: dict[str, dict[str, Any]] = {}
     for tool in tools or []:
-        function = tool.get("function", {})
-        properties = (function.get("parameters") or {}).get("properties") or {}
-        types[function["name"]] = {k: v.get("type") for k, v in properties.items() if isinstance(v, dict)}
+        function = tool["function"]
+        properties = (function.get("parameters") or {}).get("properties")
+        if isinstance(properties, dict):
+            types[function["name"]] = {k: v.get("type") for k, v in properties.items() if isinstance(v, dict)}
     return types
 
 

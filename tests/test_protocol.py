@@ -208,6 +208,8 @@ def test_message_errors_name_the_path(body, code, param):
     ({"tools": [{"type": "retrieval"}]}, "invalid_value", "tools[0].type"),
     ({"tools": [{"type": "function", "function": {"description": "x"}}]},
      "missing_field", "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "city"}}]},
+     "invalid_type", "tools[0].function.parameters"),
     ({"tool_choice": "sometimes"}, "invalid_value", "tool_choice"),
     ({"tool_choice": {"type": "function"}}, "missing_field", "tool_choice.function"),
     ({"chat_template_kwargs": "enable_thinking"}, "invalid_type", "chat_template_kwargs"),

@@ -153,6 +153,13 @@ def test_glm_call_without_arguments_must_name_an_offered_tool() -> None:
     assert "".join(content) == "[TOOL_CALLS]oops" and calls == []
 
 
+def test_xml_argument_of_a_type_list_with_string_stays_text() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {
+        "s": {"type": ["string", "null"]}, "n": {"type": ["integer", "null"]}}}}}]
+    block = "<function=f>\n<parameter=s>\n123\n</parameter>\n<parameter=n>\n123\n</parameter>\n</function>"
+    assert json.loads(parse_calls(block, parameter_types(tools))[0]["function"]["arguments"]) == {"s": "123", "n": 123}
+
+
 def test_lfm2_python_calls() -> None:
     text = '<|tool_call_start|>[get_weather(city="Paris", days=3), get_time()]<|tool_call_end|>Checking.'
     content, calls = parse([text], LFM2)
