@@ -119,7 +119,7 @@ def test_a_type_decoded_to_float32_is_reported_once(caplog):
     (record,) = caplog.records
     ratio = 8 * 64 * 4 / q5.data.nbytes
     assert record.getMessage() == (f"lse: jit:0 decodes Q5_1 weights to float32 at load ({ratio:.1f}x the bytes "
-                                   "the file stores); it reads Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_0 in place")
+                                   "the file stores); it reads Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, Q5_0 in place")
 
 
 @pytest.mark.parametrize("n_rows", [1, 19])

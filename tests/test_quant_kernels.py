@@ -18,7 +18,8 @@ import lse_backends.jit.quant as quant
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 # K super-blocks hold 256 values: one, two and three of them a row, in the same row counts
 K_SHAPES = ((8, 256), (24, 512), (37, 768), (5, 256), (200, 256), (600, 256))
-K_BLOCKS = {"Q4_K": (144, 0), "Q6_K": (210, 208)}   # super-block bytes, where its f16 d (Q4_K: and dmin) is
+K_BLOCKS = {"Q4_K": (144, 0), "Q6_K": (210, 208), "Q5_K": (176, 0)}   # super-block bytes, where its f16 d
+                                                                    # (and dmin, but Q6_K's) is
 TOKENS = (1, 2, 3, 5, 16, 37)  # one-token passes, 4-token tiles, panels, and the remainders each leaves
 # rows: one group (the two-group tile clamped), an odd number of groups, groups plus 5 rows kept as
 # stored, only such rows; 200 rows split into several work items from 2 tokens, 600 rows from 1. n: one
@@ -32,7 +33,7 @@ def gguf_weight(qtype: str, rows: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     K types, so their blocks are random: f16 d (and dmin) of the size real ones have, any other bytes."""
     if qtype in K_BLOCKS:
         size, at = K_BLOCKS[qtype]
-        n_d = 2 if qtype == "Q4_K" else 1
+        n_d = 1 if qtype == "Q6_K" else 2
         super_blocks = RNG.integers(0, 256, (rows, n // 256, size), dtype=np.uint8)
         super_blocks[..., at:at + 2 * n_d] = RNG.uniform(1e-3, 1e-2, (rows, n // 256, n_d)).astype(np.float16).view(
             np.uint8)
@@ -61,7 +62,7 @@ def int8_activations(x: np.ndarray) -> np.ndarray:
 def seen_by_kernels(qtype: str, x: np.ndarray) -> np.ndarray:
     """The activations a product is exact for: int8 ones for Q4 weights (Q4_K too) in steps of up to
     INT8_TOKENS tokens, float32 otherwise (Q8_0, Q6_K, and longer steps)."""
-    float_kind = quant.KINDS[qtype] in (quant.Q8_0, quant.Q6_K)
+    float_kind = quant.KINDS[qtype] in (quant.Q8_0, quant.Q6_K, quant.Q5_K)
     return int8_activations(x) if not float_kind and len(x) <= quant.INT8_TOKENS else x
 
 
@@ -241,7 +242,7 @@ def test_portable_ir_gives_the_same_floats(tmp_path):
         "import lse_backends.jit.quant as quant\n"
         "assert not quant.AVX2\n"
         "d = sys.argv[1]; x = np.load(d + '/x.npy')\n"
-        "for q in ('Q4_0', 'Q4_1', 'Q8_0', 'Q4_K', 'Q6_K'):\n"
+        "for q in ('Q4_0', 'Q4_1', 'Q8_0', 'Q4_K', 'Q6_K', 'Q5_K'):\n"
         "    for t in (1, 3, 16):\n"
         "        out = np.full((t, 40), np.nan, np.float32)\n"
         "        w = np.load(f'{d}/{q}.npy'); w.flags.writeable = False\n"

@@ -1,14 +1,15 @@
-"""Quantized linear layers: GGUF Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights, the blocks decoded in registers or, for steps
-of many tokens, sixteen rows at a time into a float32 panel that stays in cache (never a dequantized copy
-of the weights). Activations are float32, except where a step of up to INT8_TOKENS tokens (a decode step)
-meets Q4 weights: there each block of 32 activations is quantized to int8, as llama.cpp's Q8_1, and the
-nibbles multiply the activation bytes in 16-bit integer lanes (a one-token pass then does half the vector
-work per weight byte; SmolLM2's whole step at 8 and 16 sequences is 1.17x and 1.13x faster than through
-float32 panels). Q4_K is read as Q4_1 blocks whose d and m are float32 (``_from_q4_k``: the same values,
-0.75 bytes each), Q6_K as Q8_0 blocks with a float32 d for each half (``_from_q6_k``, 1.25 bytes each):
-on SmolLM2-shaped layers, one thread, a decode token 4.7x (Q4_K) and 2.6x (Q6_K) faster than through the
-float32 copy they used to be decoded to. Q5_0 is read as Q8_0 blocks (its 5-bit values as int8, the same d).
-The jit device decodes other GGUF types (Q5_1, Q2_K...) exactly to float32 once at load.
+"""Quantized linear layers: GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K and Q5_0 weights, the blocks decoded in
+registers or, for steps of many tokens, sixteen rows at a time into a float32 panel that stays in cache (never
+a dequantized copy of the weights). Activations are float32, except where a step of up to INT8_TOKENS tokens
+(a decode step) meets Q4 weights: there each block of 32 activations is quantized to int8, as llama.cpp's
+Q8_1, and the nibbles multiply the activation bytes in 16-bit integer lanes (a one-token pass then does half
+the vector work per weight byte; SmolLM2's whole step at 8 and 16 sequences is 1.17x and 1.13x faster than
+through float32 panels). Q4_K is read as Q4_1 blocks whose d and m are float32 (``_from_q4_k``: the same
+values, 0.75 bytes each), Q6_K as Q8_0 blocks with a float32 d for each half (``_from_q6_k``, 1.25 bytes
+each), Q5_K as Q8_0 blocks with a float32 d and m (``_from_q5_k``, 1.25 bytes each): on SmolLM2-shaped layers,
+one thread, a decode token 4.7x (Q4_K), 2.6x (Q6_K) and 2.5x (Q5_K) faster than through the float32 copy they
+used to be decoded to. Q5_0 is read as Q8_0 blocks (its 5-bit values as int8, the same d). The jit device
+decodes other GGUF types (Q5_1, Q2_K...) exactly to float32 once at load.
 
 Layout. ``prepare`` re-lays a weight once at load into a new array of the same shape and bytes: rows go
 in groups of GROUP = 8, and block b of a group's rows is stored as one group block: the eight rows' f16
@@ -91,12 +92,15 @@ from .vector import (
 _features = llvm.get_host_cpu_features()
 AVX2 = all(_features.get(f) for f in ("avx2", "f16c", "fma")) and os.environ.get("LSE_JIT_PORTABLE") != "1"
 
-Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 0, 1, 2, 3, 4
-KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K, "Q5_0": Q8_0}   # Q5_0: _from_q5_0
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K = 0, 1, 2, 3, 4, 5
+KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K, "Q5_K": Q5_K,
+         "Q5_0": Q8_0}   # Q5_0: _from_q5_0
 # LAYOUT[kind] = (bytes per 32-value block, bytes of its header: d, or d and m); a tuple numba reads too.
 # Q4_K is laid out as Q4_1 blocks whose d and m are float32 (_from_q4_k); Q6_K as Q8_0 blocks with a float32
-# d for each half of the block, d and d2 (_from_q6_k): their header fields take 4 bytes.
-LAYOUT = ((18, 2), (20, 4), (34, 2), (24, 8), (40, 8))
+# d for each half of the block, d and d2 (_from_q6_k); Q5_K as Q8_0 blocks with a float32 d and m, each value
+# d q + m (_from_q5_k): their header fields take 4 bytes.
+LAYOUT = ((18, 2), (20, 4), (34, 2), (24, 8), (40, 8), (40, 8))
+WIDE = (Q4_K, Q6_K, Q5_K)   # kinds whose header fields are float32
 GROUP = LANES  # rows per group: one vector lane each
 # Decoding outruns one core's stream of weights from memory; prefetching this far ahead in each row group's
 # stream made one thread's 210 layer GEMVs of SmolLM2 1.5x faster here (5.7 to 46 KB measured alike).
@@ -120,7 +124,7 @@ def _halves_to_floats(builder: ir.IRBuilder, halves: ir.Value) -> ir.Value:
 def _scales(builder: ir.IRBuilder, at: ir.Value, kind: int) -> ir.Value:
     """The group's eight scales (or mins) at byte pointer ``at`` as <8 x float>: f16, or Q4_K's and Q6_K's
     float32."""
-    if kind in (Q4_K, Q6_K):
+    if kind in WIDE:
         return load(builder, at, 0, v8f32)
     if AVX2:
         return builder.fpext(load(builder, at, 0, v8f16), v8f32)
@@ -130,7 +134,7 @@ def _scales(builder: ir.IRBuilder, at: ir.Value, kind: int) -> ir.Value:
 def _quants(builder: ir.IRBuilder, kind: int, quants: ir.Value) -> Iterator[tuple[int, ir.Value]]:
     """(element index, <8 x float> of that element's eight rows) for the block's 32 elements, in load
     order, so that the caller consumes each vector as it is made (fewer live registers)."""
-    if kind in (Q8_0, Q6_K):
+    if kind in (Q8_0, Q6_K, Q5_K):
         for i in range(BLOCK):
             yield i, builder.sitofp(builder.sext(load(builder, quants, GROUP * i, v8i8), v8i32), v8f32)
         return
@@ -144,14 +148,21 @@ def _quants(builder: ir.IRBuilder, kind: int, quants: ir.Value) -> Iterator[tupl
 
 
 
+def _with_min(builder: ir.IRBuilder, quants: Iterator[tuple[int, ir.Value]], d: ir.Value,
+              m: ir.Value) -> Iterator[tuple[int, ir.Value]]:
+    """(i, d q_i + m) for each (i, q_i) of ``quants``."""
+    for i, q in quants:
+        yield i, fma(builder, q, d, m)
+
+
 def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
-    """An intrinsic ``tile(w, g, g_last, x, t, out)`` for Q8_0 (or Q6_K, a scale for each half block):
-    out[t + c, rows of group g] for c < n_tokens, over float32 activations. Group and token indices past
-    g_last and x's last row are clamped to them: the clamped tile recomputes and rewrites the same values,
-    so any remainder can use it."""
+    """An intrinsic ``tile(w, g, g_last, x, t, out)`` for Q8_0 (or Q6_K, a scale for each half block; or
+    Q5_K, whose values are d q + m): out[t + c, rows of group g] for c < n_tokens, over float32 activations.
+    Group and token indices past g_last and x's last row are clamped to them: the clamped tile recomputes
+    and rewrites the same values, so any remainder can use it."""
     block_bytes, header_bytes = LAYOUT[kind]
     group_block = GROUP * block_bytes
-    span = BLOCK if kind == Q8_0 else BLOCK // 2   # the elements each scale covers
+    span = BLOCK // 2 if kind == Q6_K else BLOCK   # the elements each scale covers
     one_token = n_tokens == 1
 
     @intrinsic
@@ -191,6 +202,10 @@ def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
                 scales = [_scales(builder, builder.gep(block, [integer(GROUP * 4 * h)]), kind)
                           for h in range(BLOCK // span)]
                 quants = _quants(builder, Q8_0, builder.gep(block, [integer(GROUP * header_bytes)]))
+                if kind == Q5_K:  # w_i = d q_i + m, decoded once a block for every token, as consumed
+                    quants = _with_min(builder, quants, scales[0],
+                                       _scales(builder, builder.gep(block, [integer(GROUP * 4)]), kind))
+                    scales = [vector(1.0)]
                 if one_token:  # acc += d * sum_i q_i x_i, for each span of the block and its d
                     partials = [[None] * n_chains for _ in scales]
                     for n, (i, q) in enumerate(quants):
@@ -345,7 +360,7 @@ def _make_unpack(kind: int, n_groups: int):
                     block = builder.gep(w_k, [builder.mul(b, integer(group_block))])
                     _prefetch_ahead(builder, block, group_block)
                     d = _scales(builder, block, kind)
-                    m = (_scales(builder, builder.gep(block, [integer(mins)]), kind) if kind in (Q4_1, Q4_K, Q6_K)
+                    m = (_scales(builder, builder.gep(block, [integer(mins)]), kind) if kind in (Q4_1, *WIDE)
                          else builder.fmul(d, vector(-8.0)) if kind == Q4_0 else None)
                     for i, q in _quants(builder, kind, builder.gep(block, [integer(GROUP * header_bytes)])):
                         if kind == Q6_K:   # m is the second half's d
@@ -415,9 +430,10 @@ _q4_0_int8_1, _q4_1_int8_1, _q4_k_int8_1, _q4_0_int8_4, _q4_1_int8_4, _q4_k_int8
     _make_int8_tile(kind, tokens) for tokens in (1, 4) for kind in (Q4_0, Q4_1, Q4_K))
 _q8_0_1, _q8_0_4 = _make_q8_0_tile(1, 4), _make_q8_0_tile(4, 2)
 _q6_k_1, _q6_k_4 = _make_q8_0_tile(1, 4, Q6_K), _make_q8_0_tile(4, 2, Q6_K)
+_q5_k_1, _q5_k_4 = _make_q8_0_tile(1, 4, Q5_K), _make_q8_0_tile(4, 2, Q5_K)
 PANEL_GROUPS = 2  # row groups a panel holds (three measured no faster, and items hold pairs of groups)
-_q4_0_unpack, _q4_1_unpack, _q8_0_unpack, _q4_k_unpack, _q6_k_unpack = (
-    _make_unpack(kind, PANEL_GROUPS) for kind in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K))
+_q4_0_unpack, _q4_1_unpack, _q8_0_unpack, _q4_k_unpack, _q6_k_unpack, _q5_k_unpack = (
+    _make_unpack(kind, PANEL_GROUPS) for kind in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K))
 # Panel tiles: 2 x 4 accumulators, two weight vectors and a broadcast fill 11 of the 16 vector registers.
 # (A register tile of 8 tokens in one group, one accumulator each, ran at half their rate: a broadcast per
 # FMA, and no slack over the FMA latency.)
@@ -458,6 +474,8 @@ def _unpack(kind, w, g, g_last, panel):
         _q4_k_unpack(w, g, g_last, panel)
     elif kind == Q6_K:
         _q6_k_unpack(w, g, g_last, panel)
+    elif kind == Q5_K:
+        _q5_k_unpack(w, g, g_last, panel)
     elif kind == Q4_0:
         _q4_0_unpack(w, g, g_last, panel)
     else:
@@ -466,8 +484,8 @@ def _unpack(kind, w, g, g_last, panel):
 
 @njit(cache=True, nogil=True, inline="always")
 def _int8_kind(kind):
-    """Q4 weights meet int8 activations in steps of up to INT8_TOKENS tokens; Q8_0 and Q6_K keep float32
-    (they hold output layers: see the module doc)."""
+    """Q4 weights meet int8 activations in steps of up to INT8_TOKENS tokens; Q8_0, Q6_K and Q5_K keep
+    float32 (they hold output layers: see the module doc)."""
     return kind == Q4_0 or kind == Q4_1 or kind == Q4_K
 
 
@@ -496,6 +514,10 @@ def _groups(kind, w, x, out, g0, g1, scratch):
                     _q6_k_1(w, g, g1 - 1, x, t, out)
                 elif kind == Q6_K:
                     _q6_k_4(w, g, g1 - 1, x, t, out)
+                elif kind == Q5_K and tokens == 1:
+                    _q5_k_1(w, g, g1 - 1, x, t, out)
+                elif kind == Q5_K:
+                    _q5_k_4(w, g, g1 - 1, x, t, out)
                 elif tokens == 1:
                     _q8_0_1(w, g, g1 - 1, x, t, out)
                 else:
@@ -617,8 +639,8 @@ def _ieee(bits, mantissa_bits, exponent_bits):
 
 @njit(cache=True, nogil=True, inline="always")
 def _field(flat, at, kind):
-    """A header field (d or m) at byte ``at``, little-endian: Q4_K's and Q6_K's are float32, the others' f16."""
-    if kind == Q4_K or kind == Q6_K:
+    """A header field (d or m) at byte ``at``, little-endian: the K types' are float32, the others' f16."""
+    if kind == Q4_K or kind == Q6_K or kind == Q5_K:
         bits = np.int64(0)
         for i in range(4):
             bits |= np.int64(flat[at + i]) << (8 * i)
@@ -647,9 +669,10 @@ def _dequantize_row(kind, blocks, row, y):
                 y[b * BLOCK + i] = d * np.float32(np.int8(flat[quants + i * size]))
             continue
         m = _field(flat, at + field * (size + lane), kind)  # Q4_0: a quant byte, unused; Q6_K: d2
-        if kind == Q6_K:
+        if kind == Q6_K or kind == Q5_K:
             for i in range(BLOCK):
-                y[b * BLOCK + i] = (d if i < BLOCK // 2 else m) * np.float32(np.int8(flat[quants + i * size]))
+                q = np.float32(np.int8(flat[quants + i * size]))
+                y[b * BLOCK + i] = (d if i < BLOCK // 2 else m) * q if kind == Q6_K else d * q + m
             continue
         for j in range(BLOCK // 2):
             byte = np.int64(flat[quants + j * size])
@@ -674,7 +697,7 @@ def embed_rows(kind: int, blocks: np.ndarray, tokens: np.ndarray, scale: float, 
 def _interleave(data: np.ndarray, kind: int) -> np.ndarray:
     """GGUF blocks of a multiple of GROUP rows in the group layout (see the module doc)."""
     block_bytes, header_bytes = LAYOUT[kind]
-    field = 4 if kind in (Q4_K, Q6_K) else 2
+    field = 4 if kind in WIDE else 2
     n_groups, n_blocks = data.shape[0] // GROUP, data.shape[1] // block_bytes
     blocks = data.reshape(n_groups, GROUP, n_blocks, block_bytes)
     headers = blocks[..., :header_bytes].reshape(n_groups, GROUP, n_blocks, header_bytes // field, field)
@@ -730,6 +753,28 @@ def _from_q6_k(data: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
+def _from_q5_k(data: np.ndarray) -> np.ndarray:
+    """Q5_K super-blocks [rows, n / 256 * 176] as Q8_0-style blocks [rows, n / 32 * 40] with a float32 d and m
+    and the 5-bit values as bytes: a Q5_K value is d sc q - dmin m, with 6-bit sc and m per 32 values as in
+    Q4_K, so d sc and -dmin m are exact in float32. The same weight at 1.25 bytes a value."""
+    rows = data.shape[0]
+    if data.ndim != 2 or data.shape[1] % 176:
+        raise ValueError(f"Q5_K blocks must be [rows, n / 256 * 176] bytes, not {data.shape}")
+    super_blocks = data.reshape(-1, 176)
+    n = super_blocks.shape[0]
+    d, dmin = (super_blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))
+    sc, m = gguf_quants.Q4_K.get_scale_min(super_blocks[:, 4:16])
+    scale, low = d * sc.astype(np.float32), -(dmin * m.astype(np.float32))              # [n, 8]
+    # low 4 bits: 32 bytes per pair of sub-blocks, low nibbles first; the 5th bit of sub-block j: bit j
+    nibbles = (super_blocks[:, 48:].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
+    fifth = (super_blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    out = np.empty((n, 8, 40), np.uint8)
+    out[..., 0:4] = scale.astype("<f4").view(np.uint8).reshape(n, 8, 4)
+    out[..., 4:8] = low.astype("<f4").view(np.uint8).reshape(n, 8, 4)
+    out[..., 8:] = nibbles.reshape(n, 8, 32) | (fifth << np.uint8(4))
+    return out.reshape(rows, -1)
+
+
 def _from_q5_0(data: np.ndarray) -> np.ndarray:
     """Q5_0 blocks [rows, n / 32 * 22] as Q8_0 blocks: the same f16 d, the values q - 16 (5 bits: -16..15) as
     int8. A Q5_0 value is d (q - 16), so this is the same weight, at 34 bytes a block instead of 22."""
@@ -747,7 +792,7 @@ def _from_q5_0(data: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
-_CONVERSIONS = {"Q4_K": _from_q4_k, "Q6_K": _from_q6_k, "Q5_0": _from_q5_0}
+_CONVERSIONS = {"Q4_K": _from_q4_k, "Q6_K": _from_q6_k, "Q5_K": _from_q5_k, "Q5_0": _from_q5_0}
 PREPARE_ROWS = 4096   # rows converted and laid out at a time: a large embedding's temporaries stay small
 
 
