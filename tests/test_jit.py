@@ -93,6 +93,13 @@ def quantized(qtype: str, rows: int, cols: int) -> QuantTensor:
     return QuantTensor(qtype, quants.quantize(dense, GGMLQuantizationType[qtype]), (rows, cols))
 
 
+def random_q2_k(rows: int, cols: int) -> QuantTensor:
+    """Q2_K blocks, which gguf cannot quantize to: random bytes, f16 d and dmin of a real size (bytes 80-83)."""
+    blocks = RNG.integers(0, 256, (rows, cols // 256, 84), dtype=np.uint8)
+    blocks[..., 80:84] = RNG.uniform(1e-3, 1e-2, (rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
+    return QuantTensor("Q2_K", blocks.reshape(rows, -1), (rows, cols))
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("n_rows", [1, 5, 33])
 def test_quantized_linear_is_the_dequantized_weight_times_the_activations(jit, qtype, n_rows):
@@ -112,14 +119,15 @@ def test_quantized_linear_is_the_dequantized_weight_times_the_activations(jit, q
 def test_a_type_decoded_to_float32_is_reported_once(caplog):
     """Types the kernels do not read in place cost float32 memory at load: the log says which, once."""
     device = JitDevice()
-    q5 = quantized("Q5_1", 8, 64)
+    q2 = random_q2_k(8, 256)
     with caplog.at_level("WARNING", logger="lse"):
-        for w in (q5, quantized("Q5_1", 8, 64), quantized("Q4_0", 8, 64)):
+        for w in (q2, random_q2_k(8, 256), quantized("Q4_0", 8, 256)):
             compile_group(device, [ir.Node("linear", ("x",), "y", ("w",))], {"w": w})
     (record,) = caplog.records
-    ratio = 8 * 64 * 4 / q5.data.nbytes
-    assert record.getMessage() == (f"lse: jit:0 decodes Q5_1 weights to float32 at load ({ratio:.1f}x the bytes "
-                                   "the file stores); it reads Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, Q5_0 in place")
+    ratio = 8 * 256 * 4 / q2.data.nbytes
+    assert record.getMessage() == (f"lse: jit:0 decodes Q2_K weights to float32 at load ({ratio:.1f}x the bytes "
+                                   "the file stores); it reads Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, Q5_0, Q5_1 in "
+                                   "place")
 
 
 @pytest.mark.parametrize("n_rows", [1, 19])
@@ -147,12 +155,12 @@ def test_linked_linears_of_one_input_share_their_work_items(jit, n_rows):
 
 
 def test_other_quant_types_decode_once_to_float32_and_stay_exact(jit):
-    """Q5_1 has no in-register kernel: it is decoded exactly to float32 once at compile, and float32
+    """Q2_K has no in-register kernel: it is decoded exactly to float32 once at compile, and float32
     weights run through the tiled float32 linear: the interpreter's result up to summation order, for
     decode-sized and prefill-sized steps (token tiles and their tails)."""
-    q5 = quantized("Q5_1", 6, 512)
+    q2 = random_q2_k(6, 512)
     dense = RNG.standard_normal((37, 512)).astype(np.float32)
-    for weight in (q5, dense):
+    for weight in (q2, dense):
         for n_rows in (1, 4, 19):
             x = RNG.standard_normal((n_rows, 512)).astype(np.float32)
             [(mine, reference)] = on_both(jit, [ir.Node("linear", ("x",), "y", ("w",))], [[x]],

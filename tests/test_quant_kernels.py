@@ -97,7 +97,8 @@ def test_the_token_counts_reach_every_path():
 
 
 @pytest.mark.parametrize("qtype, rows, n", [(q, r, n) for q in QTYPES for r, n in SHAPES]
-                         + [(q, r, n) for q in K_BLOCKS for r, n in K_SHAPES] + [("Q5_0", r, n) for r, n in SHAPES])
+                         + [(q, r, n) for q in K_BLOCKS for r, n in K_SHAPES]
+                         + [(q, r, n) for q in ("Q5_0", "Q5_1") for r, n in SHAPES])
 def test_linear_is_x_times_the_dequantized_weight(qtype, rows, n):
     blocks, dense = gguf_weight(qtype, rows, n)
     kind, laid_out = prepared(qtype, blocks)
@@ -146,7 +147,7 @@ def test_linear_rejects_mismatched_shapes():
         quant.linear(kind, laid_out, np.zeros((1, 64), np.float32), np.zeros((1, 9), np.float32))
 
 
-@pytest.mark.parametrize("qtype", [*QTYPES, *K_BLOCKS, "Q5_0"])
+@pytest.mark.parametrize("qtype", [*QTYPES, *K_BLOCKS, "Q5_0", "Q5_1"])
 def test_embed_rows_is_gguf_dequantization_times_the_scale(qtype):
     """Bit for bit: the same float32 operations as gguf's dequantization, then the scale."""
     blocks, dense = gguf_weight(qtype, 37, 256)
@@ -199,7 +200,7 @@ def test_q6_k_is_laid_out_as_q8_0_blocks_with_a_float32_scale_per_half():
         quant.prepare("Q6_K", blocks[:, 1:])
 
 
-@pytest.mark.parametrize("qtype", [*QTYPES, *K_BLOCKS, "Q5_0"])
+@pytest.mark.parametrize("qtype", [*QTYPES, *K_BLOCKS, "Q5_0", "Q5_1"])
 def test_prepare_in_row_chunks_gives_the_same_layout(qtype, monkeypatch):
     """Large weights are converted and laid out PREPARE_ROWS rows at a time: 37 rows in chunks of 16
     (two whole chunks, then 5 rows kept as stored) come out as in one piece."""

@@ -8,8 +8,8 @@ through float32 panels). Q4_K is read as Q4_1 blocks whose d and m are float32 (
 values, 0.75 bytes each), Q6_K as Q8_0 blocks with a float32 d for each half (``_from_q6_k``, 1.25 bytes
 each), Q5_K as Q8_0 blocks with a float32 d and m (``_from_q5_k``, 1.25 bytes each): on SmolLM2-shaped layers,
 one thread, a decode token 4.7x (Q4_K), 2.6x (Q6_K) and 2.5x (Q5_K) faster than through the float32 copy they
-used to be decoded to. Q5_0 is read as Q8_0 blocks (its 5-bit values as int8, the same d). The jit device
-decodes other GGUF types (Q5_1, Q2_K...) exactly to float32 once at load.
+used to be decoded to. Q5_0 is read as Q8_0 blocks (its 5-bit values as int8, the same d), Q5_1 as Q5_K's.
+The jit device decodes other GGUF types (Q2_K, Q3_K...) exactly to float32 once at load.
 
 Layout. ``prepare`` re-lays a weight once at load into a new array of the same shape and bytes: rows go
 in groups of GROUP = 8, and block b of a group's rows is stored as one group block: the eight rows' f16
@@ -94,7 +94,7 @@ AVX2 = all(_features.get(f) for f in ("avx2", "f16c", "fma")) and os.environ.get
 
 Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K = 0, 1, 2, 3, 4, 5
 KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K, "Q5_K": Q5_K,
-         "Q5_0": Q8_0}   # Q5_0: _from_q5_0
+         "Q5_0": Q8_0, "Q5_1": Q5_K}   # read as Q8_0's and Q5_K's blocks: _from_q5_0, _from_q5_1
 # LAYOUT[kind] = (bytes per 32-value block, bytes of its header: d, or d and m); a tuple numba reads too.
 # Q4_K is laid out as Q4_1 blocks whose d and m are float32 (_from_q4_k); Q6_K as Q8_0 blocks with a float32
 # d for each half of the block, d and d2 (_from_q6_k); Q5_K as Q8_0 blocks with a float32 d and m, each value
@@ -775,6 +775,15 @@ def _from_q5_k(data: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
+def _five_bits(high: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """Q5_0's and Q5_1's 32 values a block (0..31), from their 4 bytes of fifth bits (bit i: element i's)
+    and 16 bytes of nibbles (byte j: elements j and j + 16)."""
+    n = high.shape[0]
+    fifth = (high.copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
+    nibbles = (low.reshape(n, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 15
+    return nibbles.reshape(n, 32) | (fifth.astype(np.uint8) << np.uint8(4))
+
+
 def _from_q5_0(data: np.ndarray) -> np.ndarray:
     """Q5_0 blocks [rows, n / 32 * 22] as Q8_0 blocks: the same f16 d, the values q - 16 (5 bits: -16..15) as
     int8. A Q5_0 value is d (q - 16), so this is the same weight, at 34 bytes a block instead of 22."""
@@ -782,17 +791,28 @@ def _from_q5_0(data: np.ndarray) -> np.ndarray:
     if data.ndim != 2 or data.shape[1] % 22:
         raise ValueError(f"Q5_0 blocks must be [rows, n / 32 * 22] bytes, not {data.shape}")
     blocks = data.reshape(-1, 22)
-    n = blocks.shape[0]
-    high = (blocks[:, 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1    # bit i: element i's 5th
-    low = (blocks[:, 6:].reshape(n, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 15
-    out = np.empty((n, 34), np.uint8)
+    out = np.empty((blocks.shape[0], 34), np.uint8)
     out[:, :2] = blocks[:, :2]
-    out[:, 2:] = ((low.reshape(n, 32) | (high.astype(np.uint8) << np.uint8(4))).astype(np.int8) - np.int8(16)).view(
-        np.uint8)
+    out[:, 2:] = (_five_bits(blocks[:, 2:6], blocks[:, 6:]).astype(np.int8) - np.int8(16)).view(np.uint8)
     return out.reshape(rows, -1)
 
 
-_CONVERSIONS = {"Q4_K": _from_q4_k, "Q6_K": _from_q6_k, "Q5_K": _from_q5_k, "Q5_0": _from_q5_0}
+def _from_q5_1(data: np.ndarray) -> np.ndarray:
+    """Q5_1 blocks [rows, n / 32 * 24] as Q5_K's blocks: d and m to float32 (exact), the values q as bytes;
+    a Q5_1 value is d q + m, as Q5_K's are."""
+    rows = data.shape[0]
+    if data.ndim != 2 or data.shape[1] % 24:
+        raise ValueError(f"Q5_1 blocks must be [rows, n / 32 * 24] bytes, not {data.shape}")
+    blocks = data.reshape(-1, 24)
+    out = np.empty((blocks.shape[0], 40), np.uint8)
+    for at in (0, 2):   # d, then m
+        value = blocks[:, at:at + 2].copy().view(np.float16).astype("<f4")
+        out[:, 2 * at:2 * at + 4] = value.view(np.uint8)
+    out[:, 8:] = _five_bits(blocks[:, 4:8], blocks[:, 8:])
+    return out.reshape(rows, -1)
+
+
+_CONVERSIONS = {"Q4_K": _from_q4_k, "Q6_K": _from_q6_k, "Q5_K": _from_q5_k, "Q5_0": _from_q5_0, "Q5_1": _from_q5_1}
 PREPARE_ROWS = 4096   # rows converted and laid out at a time: a large embedding's temporaries stay small
 
 
