@@ -11,9 +11,10 @@ one thread, a decode token 4.7x (Q4_K), 2.6x (Q6_K) and 2.5x (Q5_K) faster than 
 used to be decoded to. Q5_0 is read as Q8_0 blocks (its 5-bit values as int8, the same d), Q5_1 as Q5_K's.
 The jit device decodes other GGUF types (Q2_K, Q3_K...) exactly to float32 once at load.
 
-Layout. ``prepare`` re-lays a weight once at load into a new array of the same shape and bytes: rows go
-in groups of GROUP = 8, and block b of a group's rows is stored as one group block: the eight rows' f16
-scales d, for Q4_1 their eight f16 mins m, then the quant bytes with byte j of every row together
+Layout. ``prepare`` re-lays a weight once at load into a new array of the same shape and bytes (the K types
+and Q5_1: of their conversion's): rows go in groups of GROUP = 8, and block b of a group's rows is stored as
+one group block: the eight rows' scales d (f16; float32 for the converted types), then, where the type has
+them, their eight mins m (Q6_K: the second half's d), then the quant bytes with byte j of every row together
 (byte j of row r at ``8 * j + r``). A Q4 byte j holds elements j (low nibble) and j + 16 (high nibble);
 Q8_0 byte j is element j. One 8-byte load widened to eight int32 lanes is thus one element of eight
 rows, one vcvtph2ps converts eight rows' scales, and each vector lane belongs to one row: no horizontal
@@ -95,12 +96,11 @@ AVX2 = all(_features.get(f) for f in ("avx2", "f16c", "fma")) and os.environ.get
 Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K = 0, 1, 2, 3, 4, 5
 KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K, "Q5_K": Q5_K,
          "Q5_0": Q8_0, "Q5_1": Q5_K}   # read as Q8_0's and Q5_K's blocks: _from_q5_0, _from_q5_1
-# LAYOUT[kind] = (bytes per 32-value block, bytes of its header: d, or d and m); a tuple numba reads too.
-# Q4_K is laid out as Q4_1 blocks whose d and m are float32 (_from_q4_k); Q6_K as Q8_0 blocks with a float32
-# d for each half of the block, d and d2 (_from_q6_k); Q5_K as Q8_0 blocks with a float32 d and m, each value
-# d q + m (_from_q5_k): their header fields take 4 bytes.
-LAYOUT = ((18, 2), (20, 4), (34, 2), (24, 8), (40, 8), (40, 8))
-WIDE = (Q4_K, Q6_K, Q5_K)   # kinds whose header fields are float32
+# LAYOUT[kind] = (bytes per 32-value block, bytes of its header: d, or d and m, bytes of one header field: 2
+# for f16, 4 for float32); a tuple numba reads too. Q4_K is laid out as Q4_1 blocks whose d and m are float32
+# (_from_q4_k); Q6_K as Q8_0 blocks with a float32 d for each half of the block, d and d2 (_from_q6_k); Q5_K
+# as Q8_0 blocks with a float32 d and m, each value d q + m (_from_q5_k).
+LAYOUT = ((18, 2, 2), (20, 4, 2), (34, 2, 2), (24, 8, 4), (40, 8, 4), (40, 8, 4))
 GROUP = LANES  # rows per group: one vector lane each
 # Decoding outruns one core's stream of weights from memory; prefetching this far ahead in each row group's
 # stream made one thread's 210 layer GEMVs of SmolLM2 1.5x faster here (5.7 to 46 KB measured alike).
@@ -122,9 +122,8 @@ def _halves_to_floats(builder: ir.IRBuilder, halves: ir.Value) -> ir.Value:
 
 
 def _scales(builder: ir.IRBuilder, at: ir.Value, kind: int) -> ir.Value:
-    """The group's eight scales (or mins) at byte pointer ``at`` as <8 x float>: f16, or Q4_K's and Q6_K's
-    float32."""
-    if kind in WIDE:
+    """The group's eight scales (or mins) at byte pointer ``at`` as <8 x float>, from f16 or float32."""
+    if LAYOUT[kind][2] == 4:
         return load(builder, at, 0, v8f32)
     if AVX2:
         return builder.fpext(load(builder, at, 0, v8f16), v8f32)
@@ -160,8 +159,8 @@ def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
     Q5_K, whose values are d q + m): out[t + c, rows of group g] for c < n_tokens, over float32 activations.
     Group and token indices past g_last and x's last row are clamped to them: the clamped tile recomputes
     and rewrites the same values, so any remainder can use it."""
-    block_bytes, header_bytes = LAYOUT[kind]
-    group_block = GROUP * block_bytes
+    block_bytes, header_bytes, field = LAYOUT[kind]
+    group_block, second = GROUP * block_bytes, GROUP * field   # the group's second header field follows its d
     span = BLOCK // 2 if kind == Q6_K else BLOCK   # the elements each scale covers
     one_token = n_tokens == 1
 
@@ -199,12 +198,12 @@ def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
 
                 block = builder.gep(weights, [builder.mul(b, integer(group_block))])
                 _prefetch_ahead(builder, block, group_block)
-                scales = [_scales(builder, builder.gep(block, [integer(GROUP * 4 * h)]), kind)
+                scales = [_scales(builder, builder.gep(block, [integer(second * h)]), kind)
                           for h in range(BLOCK // span)]
                 quants = _quants(builder, Q8_0, builder.gep(block, [integer(GROUP * header_bytes)]))
                 if kind == Q5_K:  # w_i = d q_i + m, decoded once a block for every token, as consumed
                     quants = _with_min(builder, quants, scales[0],
-                                       _scales(builder, builder.gep(block, [integer(GROUP * 4)]), kind))
+                                       _scales(builder, builder.gep(block, [integer(second)]), kind))
                     scales = [vector(1.0)]
                 if one_token:  # acc += d * sum_i q_i x_i, for each span of the block and its d
                     partials = [[None] * n_chains for _ in scales]
@@ -270,8 +269,8 @@ def _make_int8_tile(kind: int, n_tokens: int):
     (``_q4_dots``), then acc += d xs dot, plus m xs sum_i xq_i (Q4_1) or -8 d xs sum_i xq_i (Q4_0):
     x @ W.T for x = xs * xq. One group a tile: two groups' accumulators, products and activations spilled
     the 16 vector registers, and ran 1.15-1.3x slower at 4 to 16 tokens."""
-    block_bytes, header_bytes = LAYOUT[kind]
-    group_block, mins = GROUP * block_bytes, GROUP * header_bytes // 2   # m follows the group's eight d
+    block_bytes, header_bytes, field = LAYOUT[kind]
+    group_block, mins = GROUP * block_bytes, GROUP * field   # m follows the group's eight d
 
     @intrinsic
     def tile(typingctx, w, g, g_last, x, scratch, t, out):
@@ -339,8 +338,8 @@ def _make_unpack(kind: int, n_groups: int):
     """An intrinsic ``unpack(w, g, g_last, panel)``: row groups g + k, k < n_groups (clamped to g_last),
     decoded to float32, panel[i, 8 k + r] = W[8 (g + k) + r, i], each w = d q + m (Q4_0: m = -8 d; Q8_0:
     none)."""
-    block_bytes, header_bytes = LAYOUT[kind]
-    group_block, mins = GROUP * block_bytes, GROUP * header_bytes // 2
+    block_bytes, header_bytes, field = LAYOUT[kind]
+    group_block, mins = GROUP * block_bytes, GROUP * field
 
     @intrinsic
     def unpack(typingctx, w, g, g_last, panel):
@@ -360,7 +359,7 @@ def _make_unpack(kind: int, n_groups: int):
                     block = builder.gep(w_k, [builder.mul(b, integer(group_block))])
                     _prefetch_ahead(builder, block, group_block)
                     d = _scales(builder, block, kind)
-                    m = (_scales(builder, builder.gep(block, [integer(mins)]), kind) if kind in (Q4_1, *WIDE)
+                    m = (_scales(builder, builder.gep(block, [integer(mins)]), kind) if header_bytes > field
                          else builder.fmul(d, vector(-8.0)) if kind == Q4_0 else None)
                     for i, q in _quants(builder, kind, builder.gep(block, [integer(GROUP * header_bytes)])):
                         if kind == Q6_K:   # m is the second half's d
@@ -495,8 +494,8 @@ def _groups(kind, w, x, out, g0, g1, scratch):
     - Q4 int8 tiles, on the activations in scratch (``quantize_activations``), of one token each up to
       ONE_TOKEN_PASSES tokens, else of four, a group meeting all the token tiles while its weights are in
       L1;
-    - Q8_0 (and Q6_K) register tiles of one token or four, token tiles outer, so that the groups' weights
-      stay in cache while the tiles pass;
+    - Q8_0 (and Q6_K, Q5_K) register tiles of one token or four, token tiles outer, so that the groups'
+      weights stay in cache while the tiles pass;
     - or each pair of groups decoded once to a float32 panel (16 rows x n, in cache) that 4-token panel
       tiles multiply.
     Tiles past the last token are clamped to it."""
@@ -638,21 +637,18 @@ def _ieee(bits, mantissa_bits, exponent_bits):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _field(flat, at, kind):
-    """A header field (d or m) at byte ``at``, little-endian: the K types' are float32, the others' f16."""
-    if kind == Q4_K or kind == Q6_K or kind == Q5_K:
-        bits = np.int64(0)
-        for i in range(4):
-            bits |= np.int64(flat[at + i]) << (8 * i)
-        return _ieee(bits, 23, 8)
-    return _ieee(np.int64(flat[at]) | (np.int64(flat[at + 1]) << 8), 10, 5)
+def _field(flat, at, size):
+    """A header field (d or m) of ``size`` bytes at byte ``at``, little-endian: float32 or f16."""
+    bits = np.int64(0)
+    for i in range(size):
+        bits |= np.int64(flat[at + i]) << (8 * i)
+    return _ieee(bits, 23, 8) if size == 4 else _ieee(bits, 10, 5)
 
 
 @njit(cache=True, nogil=True)
 def _dequantize_row(kind, blocks, row, y):
     """y[:] = row ``row`` of the weight laid out by ``prepare``, dequantized as gguf does."""
-    block_bytes, header_bytes = LAYOUT[kind]
-    field = header_bytes // 2 if kind != Q8_0 and kind != Q4_0 else header_bytes
+    block_bytes, header_bytes, field = LAYOUT[kind]
     n_rows, row_bytes = blocks.shape
     flat = blocks.reshape(-1)
     first = row // GROUP * GROUP
@@ -662,13 +658,13 @@ def _dequantize_row(kind, blocks, row, y):
     lane = row - first
     for b in range(row_bytes // block_bytes):
         at = first * row_bytes + b * size * block_bytes
-        d = _field(flat, at + field * lane, kind)
+        d = _field(flat, at + field * lane, field)
         quants = at + header_bytes * size + lane
         if kind == Q8_0:
             for i in range(BLOCK):
                 y[b * BLOCK + i] = d * np.float32(np.int8(flat[quants + i * size]))
             continue
-        m = _field(flat, at + field * (size + lane), kind)  # Q4_0: a quant byte, unused; Q6_K: d2
+        m = _field(flat, at + field * (size + lane), field)  # Q4_0: a quant byte, unused; Q6_K: d2
         if kind == Q6_K or kind == Q5_K:
             for i in range(BLOCK):
                 q = np.float32(np.int8(flat[quants + i * size]))
@@ -696,8 +692,7 @@ def embed_rows(kind: int, blocks: np.ndarray, tokens: np.ndarray, scale: float, 
 
 def _interleave(data: np.ndarray, kind: int) -> np.ndarray:
     """GGUF blocks of a multiple of GROUP rows in the group layout (see the module doc)."""
-    block_bytes, header_bytes = LAYOUT[kind]
-    field = 4 if kind in WIDE else 2
+    block_bytes, header_bytes, field = LAYOUT[kind]
     n_groups, n_blocks = data.shape[0] // GROUP, data.shape[1] // block_bytes
     blocks = data.reshape(n_groups, GROUP, n_blocks, block_bytes)
     headers = blocks[..., :header_bytes].reshape(n_groups, GROUP, n_blocks, header_bytes // field, field)
@@ -707,38 +702,61 @@ def _interleave(data: np.ndarray, kind: int) -> np.ndarray:
                           axis=2).reshape(data.shape)
 
 
+def _super_blocks(data: np.ndarray, qtype: str, size: int) -> np.ndarray:
+    """A weight's GGUF blocks of ``size`` bytes, one a row: [rows * n / block values, size]."""
+    if data.ndim != 2 or data.shape[1] % size:
+        raise ValueError(f"{qtype} blocks must be [rows, n / block values * {size}] bytes, not {data.shape}")
+    return data.reshape(-1, size)
+
+
+def _k_scales(super_blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's d sc and -dmin m for each 32 values, [n, 8] float32: exact (11 + 6 significant bits)."""
+    d, dmin = (super_blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))
+    sc, m = gguf_quants.Q4_K.get_scale_min(super_blocks[:, 4:16])
+    return d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+
+
+def _wide_blocks(rows: int, first: np.ndarray, second: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Blocks of two float32 header fields (d, then m or a second d) and the block's value bytes, as
+    [rows, bytes]: ``first`` and ``second`` hold a field per block, ``values`` the blocks' bytes."""
+    values = values.reshape(-1, values.shape[-1])
+    out = np.empty((values.shape[0], 8 + values.shape[1]), np.uint8)
+    out[:, 0:4] = first.astype("<f4").reshape(-1, 1).view(np.uint8)
+    out[:, 4:8] = second.astype("<f4").reshape(-1, 1).view(np.uint8)
+    out[:, 8:] = values
+    return out.reshape(rows, -1)
+
+
 def _from_q4_k(data: np.ndarray) -> np.ndarray:
     """Q4_K super-blocks [rows, n / 256 * 144] as Q4_1-style blocks [rows, n / 32 * 24] with float32 d and m.
-    A Q4_K value is d sc q - dmin m for 6-bit sc and m per 32 values; d sc and -dmin m are exact in float32
-    (11 + 6 significant bits), so this is the same weight, not a requantization: 0.75 bytes a value
-    instead of 0.5625, and the Q4_1 tiles read it."""
-    rows = data.shape[0]
-    if data.ndim != 2 or data.shape[1] % 144:
-        raise ValueError(f"Q4_K blocks must be [rows, n / 256 * 144] bytes, not {data.shape}")
-    super_blocks = data.reshape(rows, -1, 144)
-    n_super = super_blocks.shape[1]
-    d, dmin = (super_blocks[..., at:at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))
-    sc, m = gguf_quants.Q4_K.get_scale_min(super_blocks[..., 4:16].reshape(-1, 12))
-    scale = (d * sc.reshape(rows, n_super, 8).astype(np.float32)).reshape(rows, -1)
-    low = (-(dmin * m.reshape(rows, n_super, 8).astype(np.float32))).reshape(rows, -1)
+    A Q4_K value is d sc q - dmin m for 6-bit sc and m per 32 values, so this is the same weight, not a
+    requantization: 0.75 bytes a value instead of 0.5625, and the Q4_1 tiles read it."""
+    super_blocks = _super_blocks(data, "Q4_K", 144)
+    n = super_blocks.shape[0]
     # 32 bytes of quants per pair of sub-blocks: low nibbles the first, high nibbles the second
-    pairs = super_blocks[..., 16:].reshape(rows, n_super, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
-    values = (pairs & np.uint8(15)).reshape(rows, -1, 32)
-    out = np.empty((rows, values.shape[1], 24), np.uint8)
-    out[..., 0:4] = scale.astype("<f4").view(np.uint8).reshape(rows, -1, 4)
-    out[..., 4:8] = low.astype("<f4").view(np.uint8).reshape(rows, -1, 4)
-    out[..., 8:] = values[..., :16] | (values[..., 16:] << np.uint8(4))   # Q4_1's byte j: elements j, j + 16
-    return out.reshape(rows, -1)
+    values = ((super_blocks[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1))
+              & np.uint8(15)).reshape(n, 8, 32)
+    return _wide_blocks(data.shape[0], *_k_scales(super_blocks),
+                        values[..., :16] | (values[..., 16:] << np.uint8(4)))   # Q4_1's byte j: elements j, j + 16
+
+
+def _from_q5_k(data: np.ndarray) -> np.ndarray:
+    """Q5_K super-blocks [rows, n / 256 * 176] as Q8_0-style blocks [rows, n / 32 * 40] with a float32 d and m
+    and the 5-bit values as bytes: a Q5_K value is d sc q - dmin m, with sc and m as in Q4_K. The same
+    weight at 1.25 bytes a value."""
+    super_blocks = _super_blocks(data, "Q5_K", 176)
+    n = super_blocks.shape[0]
+    # low 4 bits: 32 bytes per pair of sub-blocks, low nibbles first; the 5th bit of sub-block j: bit j
+    nibbles = (super_blocks[:, 48:].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
+    fifth = (super_blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    return _wide_blocks(data.shape[0], *_k_scales(super_blocks), nibbles.reshape(n, 8, 32) | (fifth << np.uint8(4)))
 
 
 def _from_q6_k(data: np.ndarray) -> np.ndarray:
     """Q6_K super-blocks [rows, n / 256 * 210] as Q8_0-style blocks [rows, n / 32 * 40]: a float32 d for each
     16 values (d * sc, exact: 11 + 8 significant bits) and the 32 values q - 32 as int8, where a Q6_K value
     is d sc (q - 32). The same weight at 1.25 bytes a value, read by the Q8_0 tiles."""
-    rows = data.shape[0]
-    if data.ndim != 2 or data.shape[1] % 210:
-        raise ValueError(f"Q6_K blocks must be [rows, n / 256 * 210] bytes, not {data.shape}")
-    super_blocks = data.reshape(-1, 210)
+    super_blocks = _super_blocks(data, "Q6_K", 210)
     n = super_blocks.shape[0]
     scale = (super_blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
              * super_blocks[:, 192:208].copy().view(np.int8).astype(np.float32))     # [n, 16]
@@ -746,33 +764,7 @@ def _from_q6_k(data: np.ndarray) -> np.ndarray:
     low = (super_blocks[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
     high = (super_blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
     values = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << np.uint8(4))).astype(np.int8) - np.int8(32)
-    out = np.empty((n, 8, 40), np.uint8)
-    out[..., 0:4] = scale[:, 0::2].astype("<f4").view(np.uint8).reshape(n, 8, 4)
-    out[..., 4:8] = scale[:, 1::2].astype("<f4").view(np.uint8).reshape(n, 8, 4)
-    out[..., 8:] = values.view(np.uint8)
-    return out.reshape(rows, -1)
-
-
-def _from_q5_k(data: np.ndarray) -> np.ndarray:
-    """Q5_K super-blocks [rows, n / 256 * 176] as Q8_0-style blocks [rows, n / 32 * 40] with a float32 d and m
-    and the 5-bit values as bytes: a Q5_K value is d sc q - dmin m, with 6-bit sc and m per 32 values as in
-    Q4_K, so d sc and -dmin m are exact in float32. The same weight at 1.25 bytes a value."""
-    rows = data.shape[0]
-    if data.ndim != 2 or data.shape[1] % 176:
-        raise ValueError(f"Q5_K blocks must be [rows, n / 256 * 176] bytes, not {data.shape}")
-    super_blocks = data.reshape(-1, 176)
-    n = super_blocks.shape[0]
-    d, dmin = (super_blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))
-    sc, m = gguf_quants.Q4_K.get_scale_min(super_blocks[:, 4:16])
-    scale, low = d * sc.astype(np.float32), -(dmin * m.astype(np.float32))              # [n, 8]
-    # low 4 bits: 32 bytes per pair of sub-blocks, low nibbles first; the 5th bit of sub-block j: bit j
-    nibbles = (super_blocks[:, 48:].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
-    fifth = (super_blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
-    out = np.empty((n, 8, 40), np.uint8)
-    out[..., 0:4] = scale.astype("<f4").view(np.uint8).reshape(n, 8, 4)
-    out[..., 4:8] = low.astype("<f4").view(np.uint8).reshape(n, 8, 4)
-    out[..., 8:] = nibbles.reshape(n, 8, 32) | (fifth << np.uint8(4))
-    return out.reshape(rows, -1)
+    return _wide_blocks(data.shape[0], scale[:, 0::2], scale[:, 1::2], values.view(np.uint8))
 
 
 def _five_bits(high: np.ndarray, low: np.ndarray) -> np.ndarray:
@@ -787,29 +779,19 @@ def _five_bits(high: np.ndarray, low: np.ndarray) -> np.ndarray:
 def _from_q5_0(data: np.ndarray) -> np.ndarray:
     """Q5_0 blocks [rows, n / 32 * 22] as Q8_0 blocks: the same f16 d, the values q - 16 (5 bits: -16..15) as
     int8. A Q5_0 value is d (q - 16), so this is the same weight, at 34 bytes a block instead of 22."""
-    rows = data.shape[0]
-    if data.ndim != 2 or data.shape[1] % 22:
-        raise ValueError(f"Q5_0 blocks must be [rows, n / 32 * 22] bytes, not {data.shape}")
-    blocks = data.reshape(-1, 22)
+    blocks = _super_blocks(data, "Q5_0", 22)
     out = np.empty((blocks.shape[0], 34), np.uint8)
     out[:, :2] = blocks[:, :2]
     out[:, 2:] = (_five_bits(blocks[:, 2:6], blocks[:, 6:]).astype(np.int8) - np.int8(16)).view(np.uint8)
-    return out.reshape(rows, -1)
+    return out.reshape(data.shape[0], -1)
 
 
 def _from_q5_1(data: np.ndarray) -> np.ndarray:
     """Q5_1 blocks [rows, n / 32 * 24] as Q5_K's blocks: d and m to float32 (exact), the values q as bytes;
     a Q5_1 value is d q + m, as Q5_K's are."""
-    rows = data.shape[0]
-    if data.ndim != 2 or data.shape[1] % 24:
-        raise ValueError(f"Q5_1 blocks must be [rows, n / 32 * 24] bytes, not {data.shape}")
-    blocks = data.reshape(-1, 24)
-    out = np.empty((blocks.shape[0], 40), np.uint8)
-    for at in (0, 2):   # d, then m
-        value = blocks[:, at:at + 2].copy().view(np.float16).astype("<f4")
-        out[:, 2 * at:2 * at + 4] = value.view(np.uint8)
-    out[:, 8:] = _five_bits(blocks[:, 4:8], blocks[:, 8:])
-    return out.reshape(rows, -1)
+    blocks = _super_blocks(data, "Q5_1", 24)
+    d, m = (blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))
+    return _wide_blocks(data.shape[0], d, m, _five_bits(blocks[:, 4:8], blocks[:, 8:]))
 
 
 _CONVERSIONS = {"Q4_K": _from_q4_k, "Q6_K": _from_q6_k, "Q5_K": _from_q5_k, "Q5_0": _from_q5_0, "Q5_1": _from_q5_1}
@@ -817,9 +799,9 @@ PREPARE_ROWS = 4096   # rows converted and laid out at a time: a large embedding
 
 
 def prepare(qtype: str, data: np.ndarray) -> tuple[int, np.ndarray]:
-    """(kind, blocks) that ``linear`` and ``embed_rows`` read, from a GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q6_K or
-    Q5_0 weight's blocks [rows, n / 32 * block bytes]: a new array of the same shape and size (Q4_K, Q6_K,
-    Q5_0: of their ``_CONVERSIONS``'; see the module doc)."""
+    """(kind, blocks) that ``linear`` and ``embed_rows`` read, from a GGUF weight's blocks of a type in
+    KINDS: a new array of the same shape and size (for the types in ``_CONVERSIONS``, of the converted
+    blocks'; see the module doc)."""
     kind = KINDS[qtype]
     data = np.asarray(data, np.uint8)
     convert = _CONVERSIONS.get(qtype)
