@@ -1,15 +1,21 @@
-"""Llama (SmolLM2 and the Llama 2/3 family) as an op graph; qwen2 and qwen3 reuse its decoder layer.
+"""Llama (SmolLM2 and the Llama 2/3 family) as an op graph; qwen2, qwen3, mistral, granite, phi3 and smollm3
+reuse it, gemma3 its layers.
 
     h = embed(tokens)
     per layer:  h = h + o_proj(attention(rope(q_proj(n)), rope(k_proj(n)), v_proj(n)))   n = rms_norm(h)
                 h = h + down_proj(silu(gate_proj(n)) * up_proj(n))                       n = rms_norm(h)
     logits = lm_head(rms_norm(h)[sample rows])
+
+Granite's multipliers, where config.json has them, scale the embedding, the attention scores, each
+attention and MLP output before it is added, and the logits (ModelArgs).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from lse_core.errors import StartupError
 from lse_core.graph import ir
@@ -31,6 +37,11 @@ class ModelArgs:
     mlp_bias: bool
     tie_word_embeddings: bool
     windows: list[int]            # per layer: sliding-window length, 0 for full attention
+    # Granite's multipliers (1, and head_dim^-0.5 for the attention, where config.json has none)
+    embedding_scale: float        # embedding_multiplier
+    attention_scale: float        # attention_multiplier
+    residual_scale: float         # residual_multiplier: on each attention and MLP output
+    logits_scale: float           # 1 / logits_scaling
 
     @classmethod
     def from_config(cls, model: Model) -> ModelArgs:
@@ -58,6 +69,10 @@ class ModelArgs:
             mlp_bias=bool(config.get("mlp_bias", False)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             windows=layer_windows(config, n_layers),
+            embedding_scale=float(config.get("embedding_multiplier", 1.0)),
+            attention_scale=float(config.get("attention_multiplier") or head_dim ** -0.5),
+            residual_scale=float(config.get("residual_multiplier", 1.0)),
+            logits_scale=1.0 / float(config.get("logits_scaling", 1.0)),
         )
 
 
@@ -136,9 +151,9 @@ class GraphBuilder:
 
 
 def attention_block(b: GraphBuilder, args: ModelArgs, i: int, x: str, *, qkv_bias: bool, qk_norm: bool,
-                    scale: float | None = None, rope: bool = True) -> str:
-    """Self-attention of layer i on the normed input x; returns the o_proj output. Scores are scaled by
-    ``scale``, head_dim^-0.5 by default; ``rope`` False leaves q and k unrotated (SmolLM3's NoPE layers)."""
+                    rope: bool = True) -> str:
+    """Self-attention of layer i on the normed input x; returns the o_proj output. ``rope`` False leaves
+    q and k unrotated (SmolLM3's NoPE layers)."""
     p, hd = f"model.layers.{i}.self_attn", args.head_dim
     q_width, kv_width = args.num_attention_heads * hd, args.num_key_value_heads * hd
     q = b.linear(x, f"{p}.q_proj", (q_width, args.hidden_size), f"l{i}.q", i, qkv_bias)
@@ -153,7 +168,7 @@ def attention_block(b: GraphBuilder, args: ModelArgs, i: int, x: str, *, qkv_bia
         q = b.emit("rope", (q,), f"l{i}.q_rope", (), i, **args.rope)
         k = b.emit("rope", (k,), f"l{i}.k_rope", (), i, **args.rope)
     attn = b.emit("attention", (q, k, v), f"l{i}.attn", (), i, n_heads=args.num_attention_heads,
-                  n_kv_heads=args.num_key_value_heads, head_dim=hd, scale=hd ** -0.5 if scale is None else scale,
+                  n_kv_heads=args.num_key_value_heads, head_dim=hd, scale=args.attention_scale,
                   window=args.windows[i])
     return b.linear(attn, f"{p}.o_proj", (args.hidden_size, q_width), f"l{i}.attn_out", i, args.attention_bias)
 
@@ -175,18 +190,27 @@ def build(model: Model, *, qkv_bias: bool | None = None, qk_norm: bool = False,
     (all by default)."""
     args = ModelArgs.from_config(model)
     b = GraphBuilder(model)
+
+    def residual(x: str, i: int) -> str:
+        if args.residual_scale == 1.0:
+            return x
+        return b.emit("scale", (x,), f"{x}_scaled", (), i, factor=args.residual_scale)
+
     embed = b.weight("model.embed_tokens.weight", (args.vocab_size, args.hidden_size))
-    h = b.emit("embedding", (), "embed", (embed,), scale=1.0)
+    h = b.emit("embedding", (), "embed", (embed,), scale=args.embedding_scale)
     for i in range(args.num_hidden_layers):
         n = b.rms_norm(h, f"model.layers.{i}.input_layernorm.weight", args.hidden_size, args.rms_norm_eps,
                        f"l{i}.attn_norm", i)
         attn = attention_block(b, args, i, n, qkv_bias=args.attention_bias if qkv_bias is None else qkv_bias,
                                qk_norm=qk_norm, rope=rope_layers is None or rope_layers[i])
-        h = b.emit("add", (h, attn), f"l{i}.h_attn", (), i)
+        h = b.emit("add", (h, residual(attn, i)), f"l{i}.h_attn", (), i)
         n = b.rms_norm(h, f"model.layers.{i}.post_attention_layernorm.weight", args.hidden_size,
                        args.rms_norm_eps, f"l{i}.mlp_norm", i)
-        h = b.emit("add", (h, mlp_block(b, args, i, n)), f"l{i}.out", (), i)
+        h = b.emit("add", (h, residual(mlp_block(b, args, i, n), i)), f"l{i}.out", (), i)
     n = b.rms_norm(h, "model.norm.weight", args.hidden_size, args.rms_norm_eps, "final_norm", -1)
+    if args.logits_scale != 1.0:  # the norm's output feeds only lm_head, which is linear
+        b.weights["model.norm.weight"] = (np.asarray(b.weights["model.norm.weight"], np.float32)
+                                          * np.float32(args.logits_scale))
     rows = b.emit("last_rows", (n,), "last_rows")
     tied = args.tie_word_embeddings or "lm_head.weight" not in model.weights
     head = embed if tied else b.weight("lm_head.weight", (args.vocab_size, args.hidden_size))
