@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lse_core import protocol
+from lse_core.adapters import anthropic, responses
+from lse_core.adapters.common import Translation, core_delta, core_end
+from lse_core.adapters.responses import ResponseStore
 from lse_core.config import LSEConfig
 from lse_core.devices.hookspec import CompileContext, Device, DeviceInfo
 from lse_core.devices.registry import Registry, discover, open_devices, open_interpreter, resolve_pool
@@ -69,6 +72,7 @@ class LSE:
     fallback: FallbackLog
     startup_warnings: list[str]
     stats: Stats = field(default_factory=Stats)
+    responses: ResponseStore = field(default_factory=ResponseStore)   # /v1/responses' stored conversations
 
 
 def lse_open_or_raise(config: LSEConfig | dict[str, Any] | None = None) -> LSE:
@@ -386,3 +390,64 @@ def lse_status(lse: LSE) -> dict[str, Any]:
 
 def _device_json(info: DeviceInfo) -> dict[str, Any]:
     return {"name": info.name, "kind": info.kind, "codegen": info.codegen, "description": info.description}
+
+
+# ---- the other APIs: each an adapter over the chat request ----
+
+ADAPTERS: dict[str, tuple[Callable[[LSE, Any], tuple[dict[str, Any], Translation]],
+                          Callable[[dict[str, Any], int], dict[str, Any]]]] = {
+    "responses": (lambda lse, body: responses.start(body, lse.responses, lse.model_id), responses.error_body),
+    "messages": (lambda lse, body: anthropic.start(body, lse.model_id), anthropic.error_body),
+}
+
+
+def lse_api_request(lse: LSE, body: Any, on_event: Callable[[Event], None], api: str) -> Request:
+    """Start an OpenAI Responses ("responses") or Anthropic Messages ("messages") request. Its body
+    becomes a chat request; events arrive in that API's shapes: for a stream, a token event per stream
+    event, then an end event whose data is the closing events; otherwise one end event with the response
+    object; or an error event (that API's error body, or its stream error event once streaming)."""
+    start, error_body = ADAPTERS[api]
+    try:
+        chat, translation = start(lse, body)
+    except LSEError as e:
+        lse.stats.record("chat", f"error_{e.status}")
+        request = Request(lse, api, on_event)
+        request.emit(Event(EVENT_ERROR, error_body(e.body(), e.status), e.status))
+        return request
+    started = threading.Event()     # the core's Request is known (its sequence set): prompt tokens can be read
+    core: list[Request] = []
+
+    def prompt_tokens() -> int:
+        started.wait()
+        sequence = core[0].sequence
+        return len(sequence.params.prompt) if sequence is not None else 0
+
+    def on_core_event(event: Event) -> None:
+        if event.kind == EVENT_TOKEN:
+            events = translation.feed(core_delta(event.data), prompt_tokens() if not translation.started else 0)
+            for stream_event in events if translation.stream else []:
+                on_event(Event(EVENT_TOKEN, stream_event))
+        elif event.kind == EVENT_END:
+            closing, response = translation.finish(*core_end(event.data))
+            on_event(Event(EVENT_END, closing if translation.stream else response))
+        elif translation.stream and translation.started:
+            on_event(Event(EVENT_ERROR, translation.stream_error(event.data, event.status), event.status))
+        else:
+            on_event(Event(EVENT_ERROR, error_body(event.data, event.status), event.status))
+
+    core.append(lse_request(lse, chat | {"stream": True, "stream_options": {"include_usage": True}},
+                            on_core_event))
+    started.set()
+    return core[0]
+
+
+def lse_error_body(error: LSEError, api: str = "chat") -> dict[str, Any]:
+    """An error's body as ``api`` shapes errors: Anthropic's for "messages", OpenAI's otherwise."""
+    return anthropic.error_body(error.body(), error.status) if api == "messages" else error.body()
+
+
+def lse_count_tokens(lse: LSE, body: Any) -> dict[str, Any]:
+    """/v1/messages/count_tokens: {"input_tokens"}, the prompt /v1/messages would start from. Raises
+    LSEError, whose body anthropic.error_body shapes."""
+    tokenized = lse_tokenize(lse, anthropic.count_tokens_body(body))
+    return {"input_tokens": tokenized["count"]}

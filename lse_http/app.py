@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -86,6 +87,9 @@ def create_app(open_engine: Callable[[], api.LSE], *, api_key: str | None = None
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
         Route("/v1/lse/model_info", model_info, methods=["GET"]),
@@ -108,15 +112,33 @@ def create_app(open_engine: Callable[[], api.LSE], *, api_key: str | None = None
 # ---- the completion endpoints ----
 
 async def chat_completions(request: Request) -> Response:
-    return await _complete(request, "chat")
+    return await _complete(request, functools.partial(api.lse_request, endpoint="chat"))
 
 
 async def completions(request: Request) -> Response:
-    return await _complete(request, "completion")
+    return await _complete(request, functools.partial(api.lse_request, endpoint="completion"))
 
 
-async def _complete(request: Request, endpoint: str) -> Response:
-    """Start the request on the engine; answer with its JSON, or stream its chunks as SSE.
+async def responses(request: Request) -> Response:
+    return await _complete(request, functools.partial(api.lse_api_request, api="responses"), typed=True)
+
+
+async def messages(request: Request) -> Response:
+    return await _complete(request, functools.partial(api.lse_api_request, api="messages"), typed=True)
+
+
+async def count_tokens(request: Request) -> Response:
+    body = await _read_json(request)
+    return _json(await run_in_threadpool(api.lse_count_tokens, _engine(request), body))
+
+
+StartRequest = Callable[[api.LSE, Any, Callable[[api.Event], None]], api.Request]
+
+
+async def _complete(request: Request, start: StartRequest, typed: bool = False) -> Response:
+    """Start the request on the engine; answer with its JSON, or stream its events as SSE: OpenAI's chat
+    chunks as ``data:`` lines ending in [DONE], or (``typed``) the typed events of the Responses and
+    Messages APIs.
 
     A stream's response starts only at the first event, so an error found before any token (a bad
     field, a prompt that fills the context, a full queue) keeps its own HTTP status."""
@@ -131,7 +153,7 @@ async def _complete(request: Request, endpoint: str) -> Response:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
     # lse_request renders and tokenizes the prompt: work for a thread, not the event loop
-    handle = await run_in_threadpool(api.lse_request, lse, body, on_event, endpoint)
+    handle = await run_in_threadpool(start, lse, body, on_event)
     first = await _event_unless_disconnected(request, events)
     if first is None:
         handle.cancel()
@@ -140,7 +162,7 @@ async def _complete(request: Request, endpoint: str) -> Response:
         return _json(first.data, first.status)
     if not stream:
         return _json(first.data)
-    return EventStream(first, events, handle)
+    return EventStream(first, events, handle, typed)
 
 
 async def _event_unless_disconnected(request: Request, events: asyncio.Queue[api.Event]) -> api.Event | None:
@@ -164,8 +186,10 @@ class EventStream(StreamingResponse):
     starlette cancelling it within a millisecond of the client closing, even before the first
     chunk), the request is cancelled; that is a no-op for a request that has already ended."""
 
-    def __init__(self, first: api.Event, events: asyncio.Queue[api.Event], handle: api.Request) -> None:
-        super().__init__(_sse(first, events), media_type="text/event-stream",
+    def __init__(self, first: api.Event, events: asyncio.Queue[api.Event], handle: api.Request,
+                 typed: bool = False) -> None:
+        body = _typed_sse(first, events) if typed else _sse(first, events)
+        super().__init__(body, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.handle = handle
 
@@ -189,6 +213,20 @@ async def _sse(event: api.Event, events: asyncio.Queue[api.Event]) -> AsyncItera
 
 def _sse_event(data: Any) -> bytes:
     return b"data: " + _dumps(data) + b"\n\n"
+
+
+async def _typed_sse(event: api.Event, events: asyncio.Queue[api.Event]) -> AsyncIterator[bytes]:
+    """Each stream event, then the closing ones (or an error event); these APIs send no [DONE]."""
+    while event.kind == api.EVENT_TOKEN:
+        yield _typed_sse_event(event.data)
+        event = await events.get()
+    for data in event.data if event.kind == api.EVENT_END else [event.data]:
+        yield _typed_sse_event(data)
+
+
+def _typed_sse_event(data: dict[str, Any]) -> bytes:
+    """``event: <type>`` and its ``data:``, as the Responses and Messages APIs stream."""
+    return b"event: " + data["type"].encode() + b"\ndata: " + _dumps(data) + b"\n\n"
 
 
 # ---- models, status, health ----
@@ -305,9 +343,15 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
     return Response(_dumps(data), status, headers, media_type="application/json")
 
 
+def _error(path: str, error: LSEError, headers: dict[str, str] | None = None) -> Response:
+    """An error in the shape of the API the path belongs to (Anthropic's under /v1/messages)."""
+    return _json(api.lse_error_body(error, "messages" if path.startswith("/v1/messages") else "chat"),
+                 error.status, headers)
+
+
 async def _lse_error(request: Request, e: Exception) -> Response:
     assert isinstance(e, LSEError)
-    return _json(e.body(), e.status, {"Retry-After": "1"} if e.status == 503 else None)
+    return _error(request.url.path, e, {"Retry-After": "1"} if e.status == 503 else None)
 
 
 async def _http_error(request: Request, e: Exception) -> Response:
@@ -320,29 +364,31 @@ async def _http_error(request: Request, e: Exception) -> Response:
                          f"{(e.headers or {}).get('Allow', 'other methods')}", status=405, code="method_not_allowed")
     else:
         error = LSEError(str(e.detail), status=e.status_code, code="http_error")
-    return _json(error.body(), e.status_code, e.headers)
+    return _error(request.url.path, error, e.headers)
 
 
 async def _internal_error(request: Request, e: Exception) -> Response:
     """Any other exception: a 500 in the error shape (uvicorn logs the traceback)."""
-    return _json(server_error(f"internal error: {type(e).__name__}: {e}").body(), 500)
+    return _error(request.url.path, server_error(f"internal error: {type(e).__name__}: {e}"))
 
 
 class APIKeyMiddleware:
-    """``Authorization: Bearer <key>`` on every path but /health; 401 authentication_error otherwise."""
+    """``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key: <key>`` (Anthropic's) on every
+    path but /health; 401 authentication_error otherwise."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = {"authorization": f"Bearer {api_key}".encode(), "x-api-key": api_key.encode()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not hmac.compare_digest(given, self.expected):
+            headers = Headers(scope=scope)
+            name = "authorization" if "authorization" in headers else "x-api-key"
+            given = headers.get(name, "").encode()
+            if not hmac.compare_digest(given, self.expected[name]):
                 problem = "is missing" if not given else "is not this server's key"
-                error = LSEError(f"the API key {problem}; send Authorization: Bearer <key>", status=401,
-                                 type="authentication_error", code="invalid_api_key")
-                response = _json(error.body(), 401, {"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
+                error = LSEError(f"the API key {problem}; send Authorization: Bearer <key> or x-api-key: <key>",
+                                 status=401, type="authentication_error", code="invalid_api_key")
+                await _error(scope["path"], error, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)

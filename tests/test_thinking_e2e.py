@@ -123,11 +123,17 @@ def markers(qwen3: Path) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def scripted(qwen3: Path, markers: tuple[int, int], tmp_path_factory) -> dict[str, Any]:
+def scripted(qwen3: Path, tmp_path_factory) -> dict[str, Any]:
+    return scripted_thinking(qwen3, tmp_path_factory.mktemp("scripted"))
+
+
+def scripted_thinking(qwen3: Path, directory: Path) -> dict[str, Any]:
     """A conversation whose greedy reply, once ids are renamed, opens with <think>, closes it at
-    step k, then goes on: the renamed checkpoint, the prompt, and the reply's expected parts."""
-    think, end = markers
-    decode = vocab(qwen3).decode
+    step k, then goes on: the renamed checkpoint (in ``directory``), the prompt, and the reply's
+    expected parts. ``qwen3`` is a thinking_checkpoint with Qwen3's template."""
+    tokenizer = vocab(qwen3)
+    think, end = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    decode = tokenizer.decode
     for content in USER_MESSAGES:
         prompt = prompt_ids(qwen3, QWEN3, user(content), enable_thinking=True)
         ids, _ = hf_reference(qwen3, tuple(prompt), 16)
@@ -143,7 +149,7 @@ def scripted(qwen3: Path, markers: tuple[int, int], tmp_path_factory) -> dict[st
             reasoning, content_text = decode(inside), decode(after)
             if not reasoning.strip() or not content_text.strip():
                 continue
-            model = renamed(qwen3, tmp_path_factory.mktemp("scripted"), {first: think, close: end})
+            model = renamed(qwen3, directory, {first: think, close: end})
             reply_ids = [think, *inside, end, *after]
             return {"model": model, "messages": user(content), "prompt": prompt, "reply_ids": reply_ids,
                     "max_tokens": len(reply_ids), "reasoning": reasoning, "content": content_text}

@@ -279,15 +279,13 @@ def vocab(model: Path) -> tokenizers.Tokenizer:
     return tokenizers.Tokenizer.from_file(str(model / "tokenizer.json"))
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["plain_markers", "special_markers"])
-def base(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny qwen3 checkpoint whose tokenizer knows the markers and the call as added tokens; the
-    markers are special tokens in one (as Mistral's [TOOL_CALLS] is), which a plain decode drops."""
+def tool_checkpoint(directory: Path, special_markers: bool) -> Path:
+    """A tiny qwen3 checkpoint whose tokenizer knows the markers and the call as added tokens; with
+    ``special_markers`` the markers are special tokens (as Mistral's [TOOL_CALLS] is), which a plain decode drops."""
     base_vocab = tokenizers.Tokenizer.from_str(train_tokenizer()).get_vocab_size()
-    model = write_checkpoint(tmp_path_factory.mktemp("tools"), "qwen3", chat_template=HERMES_TEMPLATE,
-                             vocab_size=base_vocab + len(ADDED))
+    model = write_checkpoint(directory, "qwen3", chat_template=HERMES_TEMPLATE, vocab_size=base_vocab + len(ADDED))
     tokenizer = vocab(model)
-    special = {t: request.param and t != CALL_JSON for t in ADDED}
+    special = {t: special_markers and t != CALL_JSON for t in ADDED}
     tokenizer.add_tokens([tokenizers.AddedToken(t, special=special[t], normalized=False) for t in ADDED])
     tokenizer.save(str(model / "tokenizer.json"))
     config = json.loads((model / "tokenizer_config.json").read_text())
@@ -296,6 +294,11 @@ def base(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
         config["added_tokens_decoder"][str(tokenizer.token_to_id(token))] = entry
     (model / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return model
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["plain_markers", "special_markers"])
+def base(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tool_checkpoint(tmp_path_factory.mktemp("tools"), request.param)
 
 
 def scripted(base: Path, directory: Path, leads: range) -> dict[str, Any]:

@@ -1,0 +1,267 @@
+"""Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens) over the core's chat request.
+
+``system`` and ``messages`` (text, tool_use, tool_result and thinking blocks) become chat messages,
+``thinking`` the core's own spelling of the switch (so the template's levels decide, as on every endpoint),
+and the core's chunks become content blocks (thinking, text, tool_use) and Anthropic's stream events.
+LSE's stop_reason travels as lse_stop_reason beside Anthropic's, with lse_context, timings and lse_warnings.
+Errors are Anthropic's {"type": "error", "error": {"type", "message"}}, with LSE's code and param too."""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from lse_core.adapters.common import Body, CoreDelta, CoreEnd, Part, checked, pass_through, renamed_param
+
+# Chat fields as a Messages body names them, for the core's errors.
+PARAMS = {"stop": "stop_sequences"}
+STOP_REASONS = {"stop_token": "end_turn", "stop_sequence": "stop_sequence", "max_tokens": "max_tokens",
+                "context_full": "model_context_window_exceeded", "cancelled": None}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+# ---- the request ----
+
+class TextBlock(Part):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(Part):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(Part):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool | None = None
+
+
+class ThinkingBlock(Part):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(Part):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+                  Field(discriminator="type")]
+
+
+class Message(Part):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(Part):
+    type: Literal["custom"] | None = None
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(Part):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(Part):
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1)
+
+
+class CountTokensRequest(Body):
+    """A /v1/messages/count_tokens body: the conversation, without the reply's settings."""
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """A /v1/messages body. LSE's own sampling and thinking fields (min_p, seed, reasoning_effort, ...)
+    pass through to the core as chat-completions fields."""
+
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    stream: bool | None = None
+    metadata: dict[str, Any] | None = None
+
+
+def _text(content: str | list[TextBlock]) -> str:
+    return content if isinstance(content, str) else "\n".join(block.text for block in content)
+
+
+def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
+    """The system prompt and messages as chat messages: a user turn's tool results become tool messages
+    (before its text), an assistant turn's thinking its reasoning_content and its tool_use its tool_calls."""
+    messages: list[dict[str, Any]] = []
+    if req.system:
+        messages.append({"role": "system", "content": _text(req.system)})
+    for message in req.messages:
+        blocks = [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
+        texts = [b.text for b in blocks if isinstance(b, TextBlock)]
+        if message.role == "user":
+            messages += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)}
+                         for b in blocks if isinstance(b, ToolResultBlock)]
+            if texts or not messages or messages[-1]["role"] != "tool":
+                messages.append({"role": "user", "content": "\n".join(texts)})
+            continue
+        turn: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+        thinking = [b.thinking for b in blocks if isinstance(b, ThinkingBlock)]
+        if thinking:
+            turn["reasoning_content"] = "\n".join(thinking)
+        calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+                 for b in blocks if isinstance(b, ToolUseBlock)]
+        if calls:
+            turn["tool_calls"] = calls
+        messages.append(turn)
+    return messages
+
+
+def _tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
+    if choice is None:
+        return None
+    if choice.type == "tool":
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def conversation_body(req: CountTokensRequest, body: dict[str, Any]) -> dict[str, Any]:
+    """The chat body of a conversation: what count_tokens tokenizes and a message request runs."""
+    chat = {
+        "model": req.model, "messages": chat_messages(req),
+        "tools": [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                    "parameters": t.input_schema}} for t in req.tools]
+        if req.tools else None,
+        "tool_choice": _tool_choice(req.tool_choice),
+        "thinking": {"type": req.thinking.type} if req.thinking else None,
+    } | pass_through(body)
+    return {k: v for k, v in chat.items() if v is not None}
+
+
+def count_tokens_body(body: Any) -> dict[str, Any]:
+    """A count_tokens body as the chat body whose prompt is counted; raises LSEError."""
+    return conversation_body(checked(CountTokensRequest, body), body)
+
+
+def start(body: Any, model_id: str) -> tuple[dict[str, Any], MessagesTranslation]:
+    """A /v1/messages body as the chat body to run and the translation of its reply; raises LSEError."""
+    req = checked(MessagesRequest, body)
+    sampling = {"max_tokens": req.max_tokens, "stop": req.stop_sequences, "temperature": req.temperature,
+                "top_k": req.top_k, "top_p": req.top_p}
+    chat = conversation_body(req, body) | {k: v for k, v in sampling.items() if v is not None}
+    return chat, MessagesTranslation(req, model_id)
+
+
+def error_body(body: dict[str, Any], status: int) -> dict[str, Any]:
+    """An LSEError body in Anthropic's shape, its type from the HTTP status; LSE's code, param and extra
+    fields (levels, lse_context) are kept."""
+    error = {k: v for k, v in renamed_param(body, PARAMS)["error"].items() if k != "type"}
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), **error}}
+
+
+# ---- the reply ----
+
+class MessagesTranslation:
+    """The core's deltas as content blocks and stream events; the whole message at the end."""
+
+    def __init__(self, req: MessagesRequest, model_id: str) -> None:
+        self.req = req
+        self.stream = bool(req.stream)
+        self.id = f"msg_{uuid.uuid4().hex}"
+        self.model = req.model or model_id
+        self.content: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None    # the thinking or text block being written
+        self.started = False
+
+    def feed(self, delta: CoreDelta, prompt_tokens: int = 0) -> list[dict[str, Any]]:
+        events = []
+        if not self.started:
+            self.started = True
+            start = self._message([], None, {"input_tokens": prompt_tokens, "output_tokens": 0})
+            events += [{"type": "message_start", "message": start}, {"type": "ping"}]
+        if delta.reasoning:
+            events += self._write("thinking", delta.reasoning)
+        if delta.content:
+            events += self._write("text", delta.content)
+        for call in delta.tool_calls:
+            events += self._close()
+            function = call["function"]
+            block = {"type": "tool_use", "id": call["id"], "name": function["name"], "input": {}}
+            events += self._start_block(block)
+            block["input"] = json.loads(function["arguments"])
+            index = len(self.content) - 1
+            events += [{"type": "content_block_delta", "index": index,
+                        "delta": {"type": "input_json_delta", "partial_json": function["arguments"]}},
+                       {"type": "content_block_stop", "index": index}]
+        return events
+
+    def _start_block(self, block: dict[str, Any]) -> list[dict[str, Any]]:
+        self.content.append(block)
+        return [{"type": "content_block_start", "index": len(self.content) - 1, "content_block": copy.deepcopy(block)}]
+
+    def _write(self, kind: str, text: str) -> list[dict[str, Any]]:
+        events = []
+        if self.open is None or self.open["type"] != kind:
+            events += self._close()
+            self.open = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" \
+                else {"type": "text", "text": ""}
+            events += self._start_block(self.open)
+        self.open[kind] += text
+        return events + [{"type": "content_block_delta", "index": len(self.content) - 1,
+                          "delta": {"type": f"{kind}_delta", kind: text}}]
+
+    def _close(self) -> list[dict[str, Any]]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [{"type": "content_block_stop", "index": len(self.content) - 1}]
+
+    def finish(self, deltas: list[CoreDelta], end: CoreEnd) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        events = [e for delta in deltas for e in self.feed(delta, end.prompt_tokens)]
+        if not self.started:
+            events += self.feed(CoreDelta(), end.prompt_tokens)
+        events += self._close()
+        stop_reason = STOP_REASONS[end.stop_reason]
+        if stop_reason == "end_turn" and any(block["type"] == "tool_use" for block in self.content):
+            stop_reason = "tool_use"
+        stops = self.req.stop_sequences or []
+        # the core says a stop string ended the reply, not which one: named when only one was sent
+        stop_sequence = stops[0] if stop_reason == "stop_sequence" and len(stops) == 1 else None
+        usage = {"input_tokens": end.prompt_tokens - end.cached_tokens, "output_tokens": end.completion_tokens,
+                 "cache_read_input_tokens": end.cached_tokens, "cache_creation_input_tokens": 0}
+        lse = {"lse_stop_reason": end.stop_reason} | end.lse
+        message = self._message(self.content, stop_reason, usage, stop_sequence) | lse
+        events += [{"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                    "usage": usage} | lse, {"type": "message_stop"}]
+        return events, message
+
+    def _message(self, content: list[dict[str, Any]], stop_reason: str | None, usage: dict[str, Any],
+                 stop_sequence: str | None = None) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": copy.deepcopy(content), "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+                "usage": usage}
+
+    def stream_error(self, body: dict[str, Any], status: int) -> dict[str, Any]:
+        return error_body(body, status)

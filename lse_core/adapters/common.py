@@ -1,0 +1,130 @@
+"""What every adapter shares: a body checked against its pydantic model (an LSEError naming the field,
+as the core's own checks name it), and the core's streamed chunks read back as deltas and an ending."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from lse_core.errors import LSEError, invalid_request
+
+Model = TypeVar("Model", bound=BaseModel)
+
+# LSE's own request fields (spec/API.md) that pass through every adapter unchanged; the core checks them.
+LSE_FIELDS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
+              "enable_thinking", "reasoning_effort", "thinking_level", "chat_template_kwargs")
+
+
+class Body(BaseModel):
+    """A request body: unknown fields are ignored (as OpenAI's and Anthropic's APIs do), no type coercion."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class Part(BaseModel):
+    """A nested object of a body: the same rules, and its unknown fields (ids, statuses) ignored too."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def checked(model: type[Model], body: Any) -> Model:
+    """``body`` as ``model``, or a 400 whose param is the path of the first bad field ("input[2].content")."""
+    if not isinstance(body, dict):
+        raise invalid_request("the request body must be a JSON object", "invalid_type")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise _field_error(e, body) from None
+
+
+def _field_error(error: ValidationError, body: dict[str, Any]) -> LSEError:
+    """The most specific of pydantic's errors (a union reports one per member) as an LSEError."""
+    found = [(_path(e["loc"], body), e) for e in error.errors(include_url=False)]
+    path, worst = max(found, key=lambda pair: pair[0].count(".") + pair[0].count("["))
+    kind = worst["type"]
+    code = ("missing_field" if kind in ("missing", "union_tag_not_found")
+            else "invalid_type" if kind.endswith("_type") or kind in ("model_attributes_type", "int_from_float")
+            else "invalid_value")
+    return invalid_request(f"{path}: {worst['msg']}", code, path or None)
+
+
+def _path(loc: tuple[int | str, ...], body: Any) -> str:
+    """A pydantic location as a JSON path into the body. Locations also name union members ("str",
+    "list[...]", a tag): those are the steps the body itself does not have, and are left out."""
+    path, value = "", body
+    for i, step in enumerate(loc):
+        if isinstance(step, int) and isinstance(value, list) and step < len(value):
+            path, value = f"{path}[{step}]", value[step]
+        elif isinstance(step, str) and isinstance(value, dict) and (step in value or i == len(loc) - 1):
+            path, value = f"{path}.{step}" if path else step, value.get(step)
+    return path
+
+
+def renamed_param(body: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """An error body whose param names a chat field (max_tokens, messages), named as the adapter's body
+    names it."""
+    param = body["error"].get("param")
+    return {"error": body["error"] | {"param": names[param]}} if param in names else body
+
+
+def pass_through(body: dict[str, Any]) -> dict[str, Any]:
+    """The LSE fields a body carries, for the chat body."""
+    return {name: body[name] for name in LSE_FIELDS if body.get(name) is not None}
+
+
+# ---- the core's streamed chunks, read back ----
+
+@dataclass
+class CoreDelta:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)   # OpenAI's, each whole
+
+
+def core_delta(chunk: dict[str, Any]) -> CoreDelta:
+    if not chunk.get("choices"):
+        return CoreDelta()
+    delta = chunk["choices"][0].get("delta") or {}
+    calls = [{k: v for k, v in call.items() if k != "index"} for call in delta.get("tool_calls") or []]
+    return CoreDelta(delta.get("content") or "", delta.get("reasoning_content") or "", calls)
+
+
+@dataclass
+class CoreEnd:
+    """How a reply ended, from a stream's closing chunks: the spec's stop_reason and LSE's fields."""
+
+    stop_reason: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    lse: dict[str, Any]     # lse_context, timings and lse_warnings (when any), as the core shaped them
+
+
+def core_end(closing: list[dict[str, Any]]) -> tuple[list[CoreDelta], CoreEnd]:
+    """The deltas a closing list still carries, and the ending (the core asked for the usage chunk)."""
+    final = next(c for c in closing if "lse_context" in c)
+    usage = next(c["usage"] for c in closing if c.get("usage"))
+    choice = final["choices"][0]
+    lse = {k: final[k] for k in ("lse_context", "timings", "lse_warnings") if k in final}
+    end = CoreEnd(choice["stop_reason"], choice["finish_reason"], usage["prompt_tokens"],
+                  usage["completion_tokens"], usage["prompt_tokens_details"]["cached_tokens"], lse)
+    return [core_delta(c) for c in closing if c is not final], end
+
+
+class Translation(Protocol):
+    """One request in flight, in an adapter's shapes: each core delta becomes stream events (the first
+    opens the stream, which may report the prompt's size); the end becomes the closing events and the
+    whole response; an error after the stream has started becomes a stream event."""
+
+    stream: bool
+    started: bool     # the first delta has been fed
+
+    def feed(self, delta: CoreDelta, prompt_tokens: int) -> list[dict[str, Any]]: ...
+
+    def finish(self, deltas: list[CoreDelta], end: CoreEnd) -> tuple[list[dict[str, Any]], dict[str, Any]]: ...
+
+    def stream_error(self, body: dict[str, Any], status: int) -> dict[str, Any]:
+        """The stream event that carries an error after the stream has started."""

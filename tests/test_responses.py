@@ -1,0 +1,249 @@
+"""/v1/responses end to end: a real lse-server driven by the official openai SDK (responses.create, whole
+and streamed, function tools, previous_response_id) and by raw HTTP for bad input.
+
+Expected values come from the core's own endpoint on the same server: the Responses adapter must give
+what /v1/chat/completions gives for the same conversation (greedy text, prompt tokens, stop reasons),
+and, for tools and reasoning, the scripted checkpoints of test_tool_calls.py and test_thinking_e2e.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from test_server import CHAT_TEMPLATE, HELLO, Server, lse_server
+from test_thinking_e2e import QWEN3, scripted_thinking, thinking_checkpoint
+from test_tool_calls import CALL, TOOLS, scripted, tool_checkpoint
+
+from lse_core.adapters.responses import ResponseStore
+
+QUESTION = HELLO[0]["content"]
+FUNCTION_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]   # Responses' flat function tool
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint) -> Iterator[Server]:
+    model = tiny_checkpoint("qwen3", chat_template=CHAT_TEMPLATE)
+    with lse_server(model, "--kv-len", "128", "--parallel", "2", "--pool", "cpu:0") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return server.openai()
+
+
+@pytest.fixture(scope="module")
+def http(server: Server) -> Iterator[httpx.Client]:
+    with server.client() as c:
+        yield c
+
+
+def chat(http: httpx.Client, messages: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+    response = http.post("/v1/chat/completions", json={"messages": messages, "temperature": 0} | fields)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def prompt_tokens(http: httpx.Client, messages: list[dict[str, Any]], **fields: Any) -> int:
+    response = http.post("/tokenize", json={"messages": messages} | fields)
+    assert response.status_code == 200, response.text
+    return response.json()["count"]
+
+
+def test_create_gives_the_chat_reply(client: openai.OpenAI, http: httpx.Client) -> None:
+    expected = chat(http, HELLO, max_tokens=6)
+    response = client.responses.create(input=QUESTION, max_output_tokens=6, temperature=0)
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.output_text == expected["choices"][0]["message"]["content"]
+    [message] = response.output
+    assert (message.type, message.role, message.status) == ("message", "assistant", "completed")
+    stop_reason = expected["choices"][0]["stop_reason"]
+    assert response.model_extra["stop_reason"] == stop_reason
+    assert response.status == ("incomplete" if stop_reason == "max_tokens" else "completed")
+    if response.status == "incomplete":
+        assert response.incomplete_details.reason == "max_output_tokens"
+    usage = expected["usage"]
+    assert (response.usage.input_tokens, response.usage.output_tokens, response.usage.total_tokens) == \
+        (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"])
+    assert response.model_extra["lse_context"] == expected["lse_context"] | {"tokens_used": usage["total_tokens"]}
+    assert set(response.model_extra["timings"]) == set(expected["timings"])
+
+
+def test_stream_events(client: openai.OpenAI) -> None:
+    whole = client.responses.create(input=QUESTION, max_output_tokens=8, temperature=0)
+    with client.responses.create(input=QUESTION, max_output_tokens=8, temperature=0, stream=True) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:5] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added", "response.output_text.delta"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{whole.status}"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-4].text
+    final = events[-1].response
+    assert final.output_text == text and final.usage.output_tokens == whole.usage.output_tokens
+    assert final.model_extra["stop_reason"] == whole.model_extra["stop_reason"]
+    assert final.model_extra["lse_context"] == whole.model_extra["lse_context"]
+
+
+def test_instructions_and_message_items(client: openai.OpenAI, http: httpx.Client) -> None:
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                    {"role": "user", "content": QUESTION}]
+    items = [conversation[0], {"type": "message", "role": "assistant",
+                               "content": [{"type": "output_text", "text": "Hello!"}]},
+             {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]
+    response = client.responses.create(input=items, instructions="Be brief.", max_output_tokens=3, temperature=0)
+    expected = chat(http, [{"role": "system", "content": "Be brief."}] + conversation, max_tokens=3)
+    assert response.usage.input_tokens == expected["usage"]["prompt_tokens"]
+    assert response.output_text == expected["choices"][0]["message"]["content"]
+
+
+def test_previous_response_id_continues_the_conversation(client: openai.OpenAI, http: httpx.Client) -> None:
+    first = client.responses.create(input=QUESTION, instructions="Be brief.", max_output_tokens=4, temperature=0)
+    second = client.responses.create(input="And of Germany?", previous_response_id=first.id, max_output_tokens=4,
+                                     temperature=0)
+    # instructions are not carried over, as OpenAI documents
+    conversation = [HELLO[0], {"role": "assistant", "content": first.output_text},
+                    {"role": "user", "content": "And of Germany?"}]
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens == prompt_tokens(http, conversation)
+    assert second.output_text == chat(http, conversation, max_tokens=4)["choices"][0]["message"]["content"]
+    third = client.responses.create(input="Thanks.", previous_response_id=second.id, max_output_tokens=1)
+    longer = conversation + [{"role": "assistant", "content": second.output_text},
+                             {"role": "user", "content": "Thanks."}]
+    assert third.usage.input_tokens == prompt_tokens(http, longer)
+
+
+def test_unknown_or_unstored_previous_response(client: openai.OpenAI) -> None:
+    unstored = client.responses.create(input=QUESTION, max_output_tokens=1, store=False)
+    for response_id in ("resp_nothing", unstored.id):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(input="Again?", previous_response_id=response_id, max_output_tokens=1)
+        error = caught.value.body
+        assert (error["code"], error["param"]) == ("previous_response_not_found", "previous_response_id")
+        assert response_id in error["message"]
+
+
+def test_store_evicts_the_oldest() -> None:
+    store = ResponseStore(size=2)
+    for n in range(3):
+        store.put(f"resp_{n}", [{"role": "user", "content": str(n)}])
+    assert store.get("resp_2") == [{"role": "user", "content": "2"}]
+    with pytest.raises(Exception, match="older than the last 2 responses") as caught:
+        store.get("resp_0")
+    assert caught.value.body()["error"]["code"] == "previous_response_not_found"
+
+
+@pytest.mark.parametrize("body, code, param", [
+    ({}, "missing_field", "input"),
+    ({"input": 3}, "invalid_type", "input"),
+    ({"input": [{"role": "user", "content": 3}]}, "invalid_type", "input[0].content"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "invalid_value", "input[0].role"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "missing_field", "input[0].call_id"),
+    ({"input": [{"type": "image", "url": "x"}]}, "invalid_value", "input[0]"),
+    ({"input": "Hi", "max_output_tokens": 0}, "invalid_value", "max_output_tokens"),
+    ({"input": "Hi", "temperature": "hot"}, "invalid_type", "temperature"),
+    ({"input": "Hi", "top_p": 2}, "invalid_value", "top_p"),                       # the core's range check
+    ({"input": "Hi", "reasoning": {"effort": "high"}}, "unsupported_reasoning_effort", "reasoning.effort"),
+    ({"input": "Hi", "tools": [{"type": "web_search"}]}, "invalid_value", "tools[0].type"),
+    ({"input": "word " * 200}, "context_full", "input"),
+    ({"input": "Hi", "model": "gpt-5"}, "model_not_found", "model"),
+])
+def test_bad_input_is_an_openai_error(http: httpx.Client, body: dict, code: str, param: str) -> None:
+    response = http.post("/v1/responses", json=body)
+    assert response.status_code in (400, 404), response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == (code, param), error
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if code == "context_full":
+        assert error["lse_context"]["context_length"] == 128
+
+
+def test_the_server_still_serves_after_bad_input(client: openai.OpenAI) -> None:
+    assert client.responses.create(input="Hi", max_output_tokens=2).usage.output_tokens >= 1
+
+
+def test_api_key_is_required(server: Server) -> None:
+    response = httpx.post(f"{server.url}/v1/responses", json={"input": "Hi"})
+    assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+
+
+# ---- function tools ----
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, dict[str, Any]]]:
+    base = tool_checkpoint(tmp_path_factory.mktemp("tools"), special_markers=False)
+    script = scripted(base, tmp_path_factory.mktemp("scripted"), range(1))
+    with lse_server(script["model"], "--kv-len", "256", "--pool", "cpu:0") as s:
+        yield s, script
+
+
+def test_function_tool_round_trip(tool_server: tuple[Server, dict[str, Any]]) -> None:
+    server, script = tool_server
+    client = server.openai()
+    question = script["messages"][0]["content"]
+    response = client.responses.create(input=question, tools=FUNCTION_TOOLS, temperature=0, max_output_tokens=16)
+    [call] = response.output
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", CALL["name"], CALL["arguments"])
+    assert response.status == "completed" and response.model_extra["stop_reason"] == "stop_token"
+    assert response.usage.output_tokens == script["completion_tokens"]
+
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "22 degrees"}
+    follow_up = client.responses.create(input=[{"role": "user", "content": question}, call.model_dump(), result],
+                                        tools=FUNCTION_TOOLS, temperature=0, max_output_tokens=3)
+    conversation = [{"role": "user", "content": question},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"id": call.call_id, "type": "function",
+                         "function": {"name": call.name, "arguments": call.arguments}}]},
+                    {"role": "tool", "tool_call_id": call.call_id, "content": "22 degrees"}]
+    with server.client() as http:
+        assert follow_up.usage.input_tokens == prompt_tokens(http, conversation, tools=TOOLS)
+    stored = client.responses.create(input=[result], previous_response_id=response.id, tools=FUNCTION_TOOLS,
+                                     temperature=0, max_output_tokens=3)
+    assert stored.usage.input_tokens == follow_up.usage.input_tokens
+    assert stored.output_text == follow_up.output_text
+
+
+def test_function_call_streamed(tool_server: tuple[Server, dict[str, Any]]) -> None:
+    server, script = tool_server
+    with server.openai().responses.create(input=script["messages"][0]["content"], tools=FUNCTION_TOOLS,
+                                          temperature=0, max_output_tokens=16, stream=True) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    assert json.loads(events[3].delta) == CALL["arguments"] and events[4].name == CALL["name"]
+    assert events[5].item.status == "completed" and events[-1].response.output[0].call_id == events[5].item.call_id
+
+
+# ---- reasoning ----
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, dict[str, Any]]]:
+    qwen3 = thinking_checkpoint(tmp_path_factory.mktemp("qwen3_thinking"), QWEN3)
+    script = scripted_thinking(qwen3, tmp_path_factory.mktemp("scripted"))
+    with lse_server(script["model"], "--kv-len", "96", "--pool", "cpu:0") as s:
+        yield s, script
+
+
+def test_reasoning_is_a_reasoning_item(thinking_server: tuple[Server, dict[str, Any]]) -> None:
+    server, script = thinking_server
+    fields = {"input": script["messages"][0]["content"], "temperature": 0, "max_output_tokens": script["max_tokens"]}
+    client = server.openai()
+    response = client.responses.create(**fields)
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text.strip() == script["reasoning"].strip()
+    assert message.type == "message" and response.output_text.strip() == script["content"].strip()
+    with client.responses.create(**fields, stream=True) as stream:
+        events = list(stream)
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning.content[0].text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
+    off = client.responses.create(**fields, reasoning={"effort": "none"})
+    assert [item.type for item in off.output] == ["message"]
+    assert off.usage.input_tokens > response.usage.input_tokens    # the template closed an empty block
