@@ -18,7 +18,8 @@ from pydantic import Field
 from lse_core.adapters.common import Body, CoreDelta, CoreEnd, Part, checked, pass_through, renamed_param
 
 # Chat fields as a Messages body names them, for the core's errors.
-PARAMS = {"stop": "stop_sequences"}
+PARAMS = {"stop": "stop_sequences", "stop[": "stop_sequences[", "reasoning_effort": "output_config.effort",
+          "response_format": "output_config.format"}
 STOP_REASONS = {"stop_token": "end_turn", "stop_sequence": "stop_sequence", "max_tokens": "max_tokens",
                 "context_full": "model_context_window_exceeded", "cancelled": None}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -80,8 +81,18 @@ class ToolChoice(Part):
 
 
 class Thinking(Part):
-    type: Literal["enabled", "disabled"]
+    type: Literal["enabled", "disabled", "adaptive"]     # adaptive: as the template thinks when it is on
     budget_tokens: int | None = Field(None, ge=1)
+
+
+class OutputFormat(Part):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(Part):
+    effort: str | None = None            # one of the template's levels, as reasoning_effort is
+    format: OutputFormat | None = None
 
 
 class CountTokensRequest(Body):
@@ -93,11 +104,12 @@ class CountTokensRequest(Body):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):
-    """A /v1/messages body. LSE's own sampling and thinking fields (min_p, seed, reasoning_effort, ...)
-    pass through to the core as chat-completions fields."""
+    """A /v1/messages body. temperature, top_k and top_p are those of Anthropic's earlier API versions;
+    LSE's own sampling and thinking fields (min_p, seed, ...) pass through to the core as chat fields."""
 
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
@@ -155,8 +167,14 @@ def conversation_body(req: CountTokensRequest, body: dict[str, Any]) -> dict[str
                                                     "parameters": t.input_schema}} for t in req.tools]
         if req.tools else None,
         "tool_choice": _tool_choice(req.tool_choice),
-        "thinking": {"type": req.thinking.type} if req.thinking else None,
+        "thinking": {"type": "disabled" if req.thinking.type == "disabled" else "enabled"} if req.thinking else None,
     } | pass_through(body)
+    config = req.output_config
+    if config is not None and config.effort is not None:
+        chat["reasoning_effort"] = config.effort
+    if config is not None and config.format is not None:
+        schema = {"name": "output", "schema": config.format.schema_}
+        chat["response_format"] = {"type": "json_schema", "json_schema": schema}
     return {k: v for k, v in chat.items() if v is not None}
 
 

@@ -64,9 +64,12 @@ def _path(loc: tuple[int | str, ...], body: Any) -> str:
 
 def renamed_param(body: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
     """An error body whose param names a chat field (max_tokens, messages), named as the adapter's body
-    names it."""
-    param = body["error"].get("param")
-    return {"error": body["error"] | {"param": names[param]}} if param in names else body
+    names it. A name ending in "[" renames a prefix: the indices after it mean the same in both bodies."""
+    param = body["error"].get("param") or ""
+    for old, new in names.items():
+        if param == old or (old.endswith("[") and param.startswith(old)):
+            return {"error": body["error"] | {"param": new + param[len(old):]}}
+    return body
 
 
 def pass_through(body: dict[str, Any]) -> dict[str, Any]:
