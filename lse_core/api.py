@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from lse_core import protocol
+from lse_core import embeddings, protocol
 from lse_core.adapters import anthropic, responses
 from lse_core.adapters.common import Translation, core_delta, core_end
 from lse_core.adapters.responses import ResponseStore
@@ -451,3 +451,29 @@ def lse_count_tokens(lse: LSE, body: Any) -> dict[str, Any]:
     LSEError, whose body anthropic.error_body shapes."""
     tokenized = lse_tokenize(lse, anthropic.count_tokens_body(body))
     return {"input_tokens": tokenized["count"]}
+
+
+def lse_embeddings(lse: LSE, body: Any) -> dict[str, Any]:
+    """/v1/embeddings: every input's pooled, L2-normalized final hidden state, computed by the engine as
+    prefill-only sequences. Blocks until all are done; raises LSEError (400 context_full naming the input)."""
+    try:
+        req = embeddings.parse(body)
+        _check_model(lse, req.model)
+        width = int(lse.model.config["hidden_size"])
+        if req.dimensions is not None and req.dimensions > width:
+            raise invalid_request(f"dimensions must be at most {width}, the model's hidden size",
+                                  "invalid_value", "dimensions")
+        mode = embeddings.pooling(lse.model)
+        prompts = embeddings.prompts(req, lse.model, lse.context_length)
+        rows, sequences = embeddings.hidden_states(lse.engine, prompts, lse.config.parallel)
+    except LSEError as e:
+        lse.stats.record("embeddings", f"error_{e.status}")
+        raise
+    fallbacks: dict[str, int] = {}
+    for seq in sequences:
+        for cause, count in seq.fallbacks.items():
+            fallbacks[cause] = fallbacks.get(cause, 0) + count
+    total = sum(len(p) for p in prompts)
+    lse.stats.record("embeddings", "ok", total)
+    return embeddings.response(req, [embeddings.pool(r, mode, req.dimensions) for r in rows], lse.model_id, total,
+                               [protocol.LSEWarning(cause, n).to_json() for cause, n in fallbacks.items()])

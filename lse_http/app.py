@@ -90,6 +90,7 @@ def create_app(open_engine: Callable[[], api.LSE], *, api_key: str | None = None
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
         Route("/v1/lse/model_info", model_info, methods=["GET"]),
@@ -125,6 +126,11 @@ async def responses(request: Request) -> Response:
 
 async def messages(request: Request) -> Response:
     return await _complete(request, functools.partial(api.lse_api_request, api="messages"), typed=True)
+
+
+async def embeddings(request: Request) -> Response:
+    body = await _read_json(request)
+    return _json(await run_in_threadpool(api.lse_embeddings, _engine(request), body))
 
 
 async def count_tokens(request: Request) -> Response:

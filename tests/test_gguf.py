@@ -160,10 +160,11 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_small_gguf(path: Path, arch: str = "llama", extra_tensor: tuple[str, np.ndarray, QT] | None = None,
-                     ) -> dict[str, np.ndarray]:
+                     pooling_type: gguf.PoolingType | None = None) -> dict[str, np.ndarray]:
     """A one-layer model whose tensors cover every float and legacy quant type, with Qwen2's q/k/v
-    biases or Qwen3's q/k norms for those architectures; returns the HF-layout float weights it was
-    made from (llama's Q/K rows are stored permuted, as llama.cpp stores them)."""
+    biases or Qwen3's q/k norms for those architectures (and an embedding model's pooling_type when
+    given); returns the HF-layout float weights it was made from (llama's Q/K rows are stored permuted,
+    as llama.cpp stores them)."""
     rng = np.random.default_rng(0)
     hd = head_dim(arch)
     shapes = {
@@ -215,6 +216,8 @@ def write_small_gguf(path: Path, arch: str = "llama", extra_tensor: tuple[str, n
         writer.add_value_length(hd)
     writer.add_rope_freq_base(50000.0)
     writer.add_layer_norm_rms_eps(1e-5)
+    if pooling_type is not None:
+        writer.add_pooling_type(pooling_type)
     tokens, merges = byte_level_vocab()
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")

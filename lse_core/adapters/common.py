@@ -3,6 +3,7 @@ as the core's own checks name it), and the core's streamed chunks read back as d
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -40,9 +41,11 @@ def checked(model: type[Model], body: Any) -> Model:
 
 
 def _field_error(error: ValidationError, body: dict[str, Any]) -> LSEError:
-    """The most specific of pydantic's errors (a union reports one per member) as an LSEError."""
+    """The most specific of pydantic's errors as an LSEError: a union reports one per member, and the one
+    that got furthest into the body (deepest, then at the latest item) says what is wrong."""
     found = [(_path(e["loc"], body), e) for e in error.errors(include_url=False)]
-    path, worst = max(found, key=lambda pair: pair[0].count(".") + pair[0].count("["))
+    path, worst = max(found, key=lambda pair: (pair[0].count(".") + pair[0].count("["),
+                                               [int(i) for i in re.findall(r"\[(\d+)\]", pair[0])]))
     kind = worst["type"]
     code = ("missing_field" if kind in ("missing", "union_tag_not_found")
             else "invalid_type" if kind.endswith("_type") or kind in ("model_attributes_type", "int_from_float")

@@ -29,11 +29,14 @@ class Runner:
                     query_starts=starts, sample_rows=starts[1:] - 1,
                     sampling=sampling_batch(batch), serial=self.serial)
         want_logits = any(s.params.top_logprobs is not None for s in seqs)
-        out = self.plan.run(step, want_logits=want_logits)
+        want_hidden = any(s.params.on_hidden is not None for s in seqs)
+        out = self.plan.run(step, want_logits, want_hidden)
         for cause, mask in out.fallbacks:
             for seq in (s for s, hit in zip(seqs, mask) if hit):
                 seq.fallbacks[cause] = seq.fallbacks.get(cause, 0) + 1
         for i, (seq, n) in enumerate(batch):
+            if seq.params.on_hidden is not None:
+                seq.params.on_hidden(out.hidden[starts[i]:starts[i + 1]])
             seq.computed += n
             if seq.computed < len(seq.tokens):      # prefill continues next step
                 continue

@@ -41,6 +41,8 @@ class Scheduler:
         while self.waiting and self.slots.n_free:
             seq = self.waiting.popleft()
             seq.slot, seq.cached = self.slots.acquire(seq.params.prompt)
+            if seq.params.on_hidden is not None:   # embeddings pool every row: none may come from the cache
+                seq.cached = 0
             seq.computed = seq.cached
             seq.t_admit = time.perf_counter()
             self.running.append(seq)

@@ -32,6 +32,8 @@ class SeqParams:
     top_logprobs: int | None = None            # None: no logprobs; n >= 0: the token's and n top ones
     splitter: Splitter | None = None
     skip_special_tokens: bool = True           # False keeps markers a tool-call parser reads
+    # embeddings: takes the final hidden rows of each prompt chunk computed (with max_new_tokens 0, no reply)
+    on_hidden: Callable[[np.ndarray], None] | None = None
 
 
 @dataclass

@@ -51,16 +51,18 @@ class StepOutput:
     next_tokens: np.ndarray | None           # int32 [S], when the step had sampling parameters
     logits: np.ndarray | None                # float32 [S, vocab], when asked for
     fallbacks: list[tuple[str, np.ndarray]]  # (cause, bool[S] mask of the sequences that caused it)
+    hidden: np.ndarray | None = None         # float32 [T, width], every row's final hidden state, when asked for
 
 
 class Plan:
     def __init__(self, placements: list[Placement], output: str, ctx: CompileContext,
-                 on_fallback: Callable[[str], None]) -> None:
+                 on_fallback: Callable[[str], None], hidden: str | None = None) -> None:
         self.placements = placements
         self.output = output
+        self.hidden = hidden      # the final hidden state's value (embeddings read it), kept by linked stages
         self.ctx = ctx            # what the kernels were compiled for: slots, positions, rows
         self._on_fallback = on_fallback
-        self.stages = _link(placements, output)
+        self.stages = _link(placements, output, hidden)
 
     @classmethod
     def build(
@@ -80,9 +82,9 @@ class Plan:
             placements.append(_place(group, _preference(group, pool, graph.n_layers), graph, ctx, fallback_device,
                                      allow_fallback))
             after_group()
-        return cls(placements, graph.output, ctx, on_fallback)
+        return cls(placements, graph.output, ctx, on_fallback, _hidden_value(graph))
 
-    def run(self, step: Step, want_logits: bool = False) -> StepOutput:
+    def run(self, step: Step, want_logits: bool = False, want_hidden: bool = False) -> StepOutput:
         values: dict[str, tuple[Device, Any]] = {}
         fallbacks: list[tuple[str, np.ndarray]] = []
         every_seq = np.ones(step.n_seqs, dtype=bool)
@@ -114,7 +116,11 @@ class Plan:
         if want_logits:
             device, buf = values[self.output]
             logits = device.to_host(buf)
-        return StepOutput(next_tokens, logits, fallbacks)
+        hidden = None
+        if want_hidden:
+            device, buf = values[self.hidden]
+            hidden = device.to_host(buf)
+        return StepOutput(next_tokens, logits, fallbacks, hidden)
 
     @staticmethod
     def _fetch(values: dict[str, tuple[Device, Any]], name: str, device: Device) -> Any:
@@ -140,7 +146,12 @@ class Plan:
                  "fallback": p.fallback_cause is not None} for p in self.placements]
 
 
-def _link(placements: list[Placement], output: str) -> list[Stage]:
+def _hidden_value(graph: Graph) -> str | None:
+    """The final hidden state (after the final norm): the value whose sampled rows make the logits."""
+    return next((n.inputs[0] for n in graph.nodes if n.op == "last_rows"), None)
+
+
+def _link(placements: list[Placement], output: str, hidden: str | None = None) -> list[Stage]:
     """Stages: each maximal run of model groups placed (not as a fallback) on one device that links
     their kernels becomes one linked stage; every other placement is a stage of its own."""
     runs: list[list[Placement]] = []
@@ -153,7 +164,7 @@ def _link(placements: list[Placement], output: str) -> list[Stage]:
         else:
             runs.append([p])
         previous_linkable = linkable
-    read_after: set[str] = {output, "next_tokens"}
+    read_after: set[str] = {output, "next_tokens"} | ({hidden} if hidden else set())
     stages: list[Stage] = []
     for run in reversed(runs):
         produced = {v for p in run for v in p.group.outputs}

@@ -31,7 +31,7 @@ from .gguf_tokenizer import build_tokenizer
 from .model import QUANT_BLOCKS, Model, QuantTensor, Weight
 from .tokenizer import Tokenizer
 
-CACHE_FORMAT = 2   # part of the cache key: bump it whenever the header's content changes
+CACHE_FORMAT = 3   # part of the cache key: bump it whenever the header's content changes
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ROPE_FACTORS = "rope_freqs.weight"   # Llama 3's rope scaling, as a divisor per frequency
@@ -196,6 +196,8 @@ def _config(meta: dict[str, Any], tensor_names: set[str], path: str) -> dict[str
         config["rope_scaling"] = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
     elif scaling not in (None, "none"):
         raise StartupError(f"{path}: rope scaling {scaling!r} is not supported (none, linear)")
+    if key("pooling_type") is not None:   # an embedding model's: llama.cpp's enum (1 mean, 2 cls, 3 last)
+        config["pooling_type"] = key("pooling_type")
     if arch == "gemma3":
         config |= _gemma3_config(config, key)
     return config
