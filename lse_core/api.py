@@ -446,6 +446,12 @@ def lse_error_body(error: LSEError, api: str = "chat") -> dict[str, Any]:
     return anthropic.error_body(error.body(), error.status) if api == "messages" else error.body()
 
 
+def lse_models(lse: LSE, api: str = "chat") -> dict[str, Any]:
+    """/v1/models: OpenAI's list, or Anthropic's for "messages" (its clients send anthropic-version)."""
+    entry = lse_model_info(lse)["served"]
+    return anthropic.model_list([entry]) if api == "messages" else {"object": "list", "data": [entry]}
+
+
 def lse_count_tokens(lse: LSE, body: Any) -> dict[str, Any]:
     """/v1/messages/count_tokens: {"input_tokens"}, the prompt /v1/messages would start from. Raises
     LSEError, whose body anthropic.error_body shapes."""

@@ -238,11 +238,11 @@ def _typed_sse_event(data: dict[str, Any]) -> bytes:
 # ---- models, status, health ----
 
 async def list_models(request: Request) -> Response:
-    return _json({"object": "list", "data": [_model_entry(request)]})
+    return _json(api.lse_models(_engine(request), _models_api(request)))
 
 
 async def get_model(request: Request) -> Response:
-    entry = _model_entry(request)
+    [entry] = api.lse_models(_engine(request), _models_api(request))["data"]
     model_id = request.path_params["model_id"]
     if model_id != entry["id"]:
         raise LSEError(f"the model {model_id!r} is not served here; this server serves {entry['id']!r}",
@@ -250,8 +250,9 @@ async def get_model(request: Request) -> Response:
     return _json(entry)
 
 
-def _model_entry(request: Request) -> dict[str, Any]:
-    return api.lse_model_info(_engine(request))["served"]
+def _models_api(request: Request) -> str:
+    """Whose /v1/models shape the client reads: Anthropic's clients send anthropic-version."""
+    return "messages" if "anthropic-version" in request.headers else "chat"
 
 
 async def model_info(request: Request) -> Response:

@@ -1,10 +1,17 @@
 """The OpenAPI 3.1 document served at /openapi.json, written by hand from spec/API.md and
-lse_core/protocol.py. Its schemas are JSON Schema 2020-12; tests/test_server.py validates real
+lse_core/protocol.py; the request bodies of /v1/responses, /v1/messages and /v1/embeddings come from
+the pydantic models that check them. Its schemas are JSON Schema 2020-12; the server tests validate real
 responses against them, so a change to a shape must change this file too."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from pydantic.json_schema import models_json_schema
+
+from lse_core.adapters.anthropic import CountTokensRequest, MessagesRequest
+from lse_core.adapters.responses import ResponsesRequest
+from lse_core.embeddings import EmbeddingsRequest
 
 
 def ref(name: str) -> dict[str, str]:
@@ -199,6 +206,87 @@ SCHEMAS: dict[str, Any] = {
     "Content": obj(["content"], {"content": STRING}),
 }
 
+# ---- the other APIs' replies (their requests are the adapters' pydantic models) ----
+
+def text_part(kind: str, **more: Any) -> dict[str, Any]:
+    return obj(["type", "text"], {"type": {"const": kind}, "text": STRING, **more})
+
+
+RESPONSE_ITEM = {"anyOf": [
+    obj(["type", "id", "role", "status", "content"], {
+        "type": {"const": "message"}, "id": STRING, "role": {"const": "assistant"}, "status": STRING,
+        "content": {"type": "array", "items": text_part("output_text", annotations={"type": "array"})}}),
+    obj(["type", "id", "summary", "content"], {
+        "type": {"const": "reasoning"}, "id": STRING, "summary": {"type": "array"},
+        "content": {"type": "array", "items": text_part("reasoning_text")}}),
+    obj(["type", "id", "call_id", "name", "arguments", "status"], {
+        "type": {"const": "function_call"}, "id": STRING, "call_id": STRING, "name": STRING, "arguments": STRING,
+        "status": STRING})]}
+CONTENT_BLOCK = {"anyOf": [
+    text_part("text"),
+    obj(["type", "thinking", "signature"], {"type": {"const": "thinking"}, "thinking": STRING, "signature": STRING}),
+    obj(["type", "id", "name", "input"], {"type": {"const": "tool_use"}, "id": STRING, "name": STRING,
+                                          "input": {"type": "object"}})]}
+ANTHROPIC_USAGE = obj(["input_tokens", "output_tokens"], {
+    "input_tokens": COUNT, "output_tokens": COUNT, "cache_read_input_tokens": COUNT,
+    "cache_creation_input_tokens": COUNT})
+
+REPLY_SCHEMAS: dict[str, Any] = {
+    "Response": obj(["id", "object", "created_at", "status", "model", "output", "usage"], {
+        "id": STRING, "object": {"const": "response"}, "created_at": INTEGER,
+        "status": {"enum": ["completed", "incomplete", "cancelled", "in_progress"]},
+        "incomplete_details": nullable(obj(["reason"], {"reason": {"const": "max_output_tokens"}})),
+        "model": STRING, "output": {"type": "array", "items": RESPONSE_ITEM},
+        "previous_response_id": nullable(STRING),
+        "usage": nullable(obj(["input_tokens", "input_tokens_details", "output_tokens", "total_tokens"], {
+            "input_tokens": COUNT, "input_tokens_details": obj(["cached_tokens"], {"cached_tokens": COUNT}),
+            "output_tokens": COUNT, "total_tokens": COUNT})),
+        "stop_reason": STOP_REASON, **CLOSING}),
+    "ResponseStreamEvent": obj(["type", "sequence_number"], {"type": STRING, "sequence_number": COUNT},
+                               description="response.created ... response.completed, as the openai SDK reads them"),
+    "Message": obj(["id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage"], {
+        "id": STRING, "type": {"const": "message"}, "role": {"const": "assistant"}, "model": STRING,
+        "content": {"type": "array", "items": CONTENT_BLOCK},
+        "stop_reason": nullable({"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use",
+                                          "model_context_window_exceeded"]}),
+        "stop_sequence": nullable(STRING), "usage": ANTHROPIC_USAGE, "lse_stop_reason": STOP_REASON, **CLOSING}),
+    "MessageStreamEvent": obj(["type"], {"type": {"enum": [
+        "message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
+        "message_stop", "error"]}}),
+    "AnthropicError": obj(["type", "error"], {"type": {"const": "error"}, "error": obj(
+        ["type", "message", "code", "param"], {
+            "type": {"enum": ["invalid_request_error", "authentication_error", "permission_error", "not_found_error",
+                              "request_too_large", "rate_limit_error", "overloaded_error", "api_error"]},
+            "message": STRING, "code": nullable(STRING), "param": nullable(STRING),
+            "levels": {"type": "array", "items": STRING}, "lse_context": ref("LSEContext")})}),
+    "TokenCount": obj(["input_tokens"], {"input_tokens": COUNT}),
+    "EmbeddingList": obj(["object", "data", "model", "usage"], {
+        "object": {"const": "list"}, "model": STRING,
+        "data": {"type": "array", "items": obj(["object", "index", "embedding"], {
+            "object": {"const": "embedding"}, "index": COUNT,
+            "embedding": {"anyOf": [{"type": "array", "items": NUMBER},
+                                    {"type": "string", "description": "base64 of little-endian float32"}]}})},
+        "usage": obj(["prompt_tokens", "total_tokens"], {"prompt_tokens": COUNT, "total_tokens": COUNT}),
+        "lse_warnings": {"type": "array", "items": ref("LSEWarning")}}),
+}
+
+
+def request_schemas() -> dict[str, Any]:
+    """The adapters' and embeddings' request bodies as their pydantic models declare them."""
+    models = (ResponsesRequest, MessagesRequest, CountTokensRequest, EmbeddingsRequest)
+    _, schema = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
+    return schema["$defs"]
+
+
+def _merged(*parts: dict[str, Any]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for part in parts:
+        if set(part) & set(merged):
+            raise RuntimeError(f"OpenAPI schema names declared twice: {sorted(set(part) & set(merged))}")
+        merged |= part
+    return merged
+
+
 ERROR_TEXT = {400: "invalid request (invalid_json, invalid_type, invalid_value, missing_field, context_full, "
                    "thinking errors...)",
               401: "missing or wrong API key (authentication_error, invalid_api_key)",
@@ -220,17 +308,33 @@ def completion_path(summary: str, request: str, response: str, chunk: str) -> di
             **ERRORS}}}
 
 
+def typed_stream_path(summary: str, request: str, response: str, event: str,
+                      errors: dict[str, Any] = ERRORS) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
+        "responses": {
+            "200": {"description": f"a {response}, or with stream: true server-sent events `event: <type>` and "
+                                   f"`data: <{event}>` (an error after streaming began is an error event)",
+                    "content": {"application/json": {"schema": ref(response)},
+                                "text/event-stream": {"schema": {"type": "string"}}}},
+            **errors}}}
+
+
+ANTHROPIC_ERRORS = {str(status): json_body(ref("AnthropicError"), text) for status, text in ERROR_TEXT.items()}
+
+
 def get(summary: str, schema: str, *errors: int, media: str = "application/json") -> dict[str, Any]:
     return {"get": {"summary": summary, "responses": {
         "200": {"description": summary, "content": {media: {"schema": ref(schema) if schema else STRING}}},
         **{str(s): ERRORS[str(s)] for s in errors}}}}
 
 
-def post(summary: str, request: str, response: str) -> dict[str, Any]:
+def post(summary: str, request: str, response: str, errors: dict[str, Any] = ERRORS) -> dict[str, Any]:
     return {"post": {"summary": summary,
                      "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
-                     "responses": {"200": json_body(ref(response), summary), "400": ERRORS["400"],
-                                   "503": ERRORS["503"]}}}
+                     "responses": {"200": json_body(ref(response), summary), "400": errors["400"],
+                                   "503": errors["503"]}}}
 
 
 OPENAPI: dict[str, Any] = {
@@ -239,17 +343,27 @@ OPENAPI: dict[str, Any] = {
              "description": "LSE's OpenAI-compatible API, with LSE's own fields (stop_reason, lse_context, "
                             "timings, lse_warnings, thinking levels, generation defaults)."},
     "components": {
-        "schemas": SCHEMAS,
+        "schemas": _merged(SCHEMAS, REPLY_SCHEMAS, request_schemas()),
         "responses": {f"Error{status}": json_body(ref("Error"), text) for status, text in ERROR_TEXT.items()},
         "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer",
-                                       "description": "only when lse-server runs with --api-key"}},
+                                       "description": "only when lse-server runs with --api-key"},
+                            "anthropicKey": {"type": "apiKey", "in": "header", "name": "x-api-key",
+                                             "description": "the same key, as Anthropic's clients send it"}},
     },
-    "security": [{}, {"apiKey": []}],
+    "security": [{}, {"apiKey": []}, {"anthropicKey": []}],
     "paths": {
         "/v1/chat/completions": completion_path("Chat completion", "ChatCompletionRequest", "ChatCompletion",
                                                 "ChatCompletionChunk"),
         "/v1/completions": completion_path("Text completion", "CompletionRequest", "TextCompletion",
                                            "TextCompletionChunk"),
+        "/v1/responses": typed_stream_path("OpenAI Responses", "ResponsesRequest", "Response",
+                                           "ResponseStreamEvent"),
+        "/v1/messages": typed_stream_path("Anthropic Messages (errors in Anthropic's shape)", "MessagesRequest",
+                                          "Message", "MessageStreamEvent", ANTHROPIC_ERRORS),
+        "/v1/messages/count_tokens": post("The prompt tokens of a Messages conversation", "CountTokensRequest",
+                                          "TokenCount", ANTHROPIC_ERRORS),
+        "/v1/embeddings": post("Pooled, L2-normalized final hidden states of each input", "EmbeddingsRequest",
+                               "EmbeddingList"),
         "/v1/models": get("The served model", "ModelList", 503),
         "/v1/models/{model_id}": {**get("One model", "Model", 404, 503),
                                   "parameters": [{"name": "model_id", "in": "path", "required": True,

@@ -15,7 +15,7 @@ import anthropic
 import httpx
 import pytest
 from test_responses import chat, prompt_tokens
-from test_server import API_KEY, CHAT_TEMPLATE, HELLO, Server, lse_server
+from test_server import API_KEY, CHAT_TEMPLATE, HELLO, Server, lse_server, validate
 from test_thinking_e2e import QWEN3, scripted_thinking, thinking_checkpoint
 from test_tool_calls import CALL, TOOLS, scripted, tool_checkpoint
 
@@ -181,6 +181,30 @@ def test_errors_of_the_server_are_anthropic_shaped(server: Server, http: httpx.C
     with pytest.raises(anthropic.BadRequestError) as caught:
         sdk(server).messages.create(model=model_id, max_tokens=4, messages=[{"role": "user", "content": "word " * 200}])
     assert caught.value.body["error"]["code"] == "context_full"
+
+
+def test_openapi_describes_the_replies(server: Server, http: httpx.Client, model_id: str) -> None:
+    doc = http.get("/openapi.json").json()
+    body = {"model": model_id, "max_tokens": 4, "messages": HELLO, "system": "Be brief.", "temperature": 0}
+    validate(body, "MessagesRequest", doc)
+    validate(http.post("/v1/messages", json=body).json(), "Message", doc)
+    with http.stream("POST", "/v1/messages", json=body | {"stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                validate(json.loads(line[len("data: "):]), "MessageStreamEvent", doc)
+    validate(http.post("/v1/messages/count_tokens", json={"model": model_id, "messages": HELLO}).json(),
+             "TokenCount", doc)
+    validate(http.post("/v1/messages", json={"model": model_id}).json(), "AnthropicError", doc)
+    assert doc["paths"]["/v1/messages"]["post"]["responses"]["400"]["content"]["application/json"]["schema"] == \
+        {"$ref": "#/components/schemas/AnthropicError"}
+
+
+def test_models_in_anthropics_shape(server: Server, http: httpx.Client, model_id: str) -> None:
+    [model] = sdk(server).models.list().data
+    assert (model.type, model.id, model.display_name) == ("model", model_id, model_id)
+    assert model.created_at.year >= 2024 and model.model_extra["context_length"] == KV_LEN
+    assert sdk(server).models.retrieve(model_id).id == model_id
+    assert http.get("/v1/models").json()["object"] == "list"    # OpenAI's shape without anthropic-version
 
 
 def test_the_server_still_serves_after_bad_input(server: Server, model_id: str) -> None:

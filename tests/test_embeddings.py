@@ -17,7 +17,7 @@ import pytest
 import tokenizers
 from test_api_contract import open_engine
 from test_gguf import write_small_gguf
-from test_server import Server, lse_server
+from test_server import Server, lse_server, validate
 
 from lse_core.api import LSE, lse_embeddings, lse_status
 from lse_core.embeddings import pooling
@@ -147,6 +147,14 @@ def test_last_token_pooling_with_the_openai_sdk(server: Server, last_token_model
     assert np.abs(np.array(as_floats.data[0].embedding) - mean).max() > 0.01     # not what mean pooling gives
     short = client.embeddings.create(model="model", input=TEXTS[0], dimensions=8, encoding_format="float")
     np.testing.assert_allclose(short.data[0].embedding, expected[0][:8] / np.linalg.norm(expected[0][:8]), atol=2e-6)
+
+
+def test_openapi_describes_the_reply(server: Server) -> None:
+    with server.client() as http:
+        doc = http.get("/openapi.json").json()
+        for body in ({"input": TEXTS[:2]}, {"input": [[1, 2], [3]], "encoding_format": "base64", "dimensions": 4}):
+            validate(body, "EmbeddingsRequest", doc)
+            validate(http.post("/v1/embeddings", json=body).json(), "EmbeddingList", doc)
 
 
 @pytest.mark.parametrize("body, code, param", [

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from test_server import CHAT_TEMPLATE, HELLO, Server, lse_server
+from test_server import CHAT_TEMPLATE, HELLO, Server, lse_server, validate
 from test_thinking_e2e import QWEN3, scripted_thinking, thinking_checkpoint
 from test_tool_calls import CALL, TOOLS, scripted, tool_checkpoint
 
@@ -162,6 +162,20 @@ def test_bad_input_is_an_openai_error(http: httpx.Client, body: dict, code: str,
     assert error["type"] == "invalid_request_error" and error["message"]
     if code == "context_full":
         assert error["lse_context"]["context_length"] == 128
+
+
+def test_openapi_describes_the_replies(http: httpx.Client) -> None:
+    doc = http.get("/openapi.json").json()
+    body = {"input": [{"role": "user", "content": QUESTION}], "instructions": "Be brief.", "max_output_tokens": 3,
+            "tools": FUNCTION_TOOLS, "reasoning": {"effort": "none"}}
+    validate(body, "ResponsesRequest", doc)
+    validate(http.post("/v1/responses", json=body).json(), "Response", doc)
+    with http.stream("POST", "/v1/responses", json=body | {"stream": True}) as response:
+        events = [json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: ")]
+    for event in events:
+        validate(event, "ResponseStreamEvent", doc)
+    validate(events[-1]["response"], "Response", doc)
+    validate(http.post("/v1/responses", json={}).json(), "Error", doc)
 
 
 def test_the_server_still_serves_after_bad_input(client: openai.OpenAI) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import uuid
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
@@ -62,25 +63,25 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | R
                   Field(discriminator="type")]
 
 
-class Message(Part):
+class MessageParam(Part):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class Tool(Part):
+class ToolParam(Part):
     type: Literal["custom"] | None = None
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
 
 
-class ToolChoice(Part):
+class ToolChoiceParam(Part):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class Thinking(Part):
+class ThinkingConfig(Part):
     type: Literal["enabled", "disabled", "adaptive"]     # adaptive: as the template thinks when it is on
     budget_tokens: int | None = Field(None, ge=1)
 
@@ -99,11 +100,11 @@ class CountTokensRequest(Body):
     """A /v1/messages/count_tokens body: the conversation, without the reply's settings."""
 
     model: str
-    messages: list[Message] = Field(min_length=1)
+    messages: list[MessageParam] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
-    thinking: Thinking | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoiceParam | None = None
+    thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
 
 
@@ -151,7 +152,7 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def _tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
+def _tool_choice(choice: ToolChoiceParam | None) -> str | dict[str, Any] | None:
     if choice is None:
         return None
     if choice.type == "tool":
@@ -197,6 +198,16 @@ def error_body(body: dict[str, Any], status: int) -> dict[str, Any]:
     fields (levels, lse_context) are kept."""
     error = {k: v for k, v in renamed_param(body, PARAMS)["error"].items() if k != "type"}
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), **error}}
+
+
+def model_list(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """/v1/models as Anthropic's clients read it (they send anthropic-version): each entry's ModelInfo
+    fields, with LSE's context_length, thinking and generation_defaults beside them."""
+    data = [{"type": "model", "id": e["id"], "display_name": e["id"],
+             "created_at": datetime.fromtimestamp(e["created"], UTC).isoformat().replace("+00:00", "Z")}
+            | {k: e[k] for k in ("context_length", "thinking", "generation_defaults")} for e in entries]
+    return {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None}
 
 
 # ---- the reply ----
