@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from lse_core import embeddings, protocol
+from lse_core import embeddings, protocol, structured
 from lse_core.adapters import anthropic, responses
 from lse_core.adapters.common import Translation, core_delta, core_end
 from lse_core.adapters.responses import ResponseStore
@@ -23,6 +23,7 @@ from lse_core.engine.engine import Engine
 from lse_core.engine.sequence import Delta, SeqParams, Sequence
 from lse_core.errors import LSEError, StartupError, invalid_request, server_error
 from lse_core.fallback import FallbackLog
+from lse_core.graph.ir import Graph
 from lse_core.graph.plan import Plan
 from lse_core.limits import resolve_limit
 from lse_core.model.arch import build_graph
@@ -31,10 +32,10 @@ from lse_core.model.model import Model
 from lse_core.sampling import GenerationDefaults, generation_defaults, resolve_sampling
 from lse_core.stats import Stats
 from lse_core.template.probe import Thinking, probe
-from lse_core.template.reasoning import reasoning_splitter
+from lse_core.template.reasoning import ReasoningSplitter, reasoning_splitter
 from lse_core.template.render import ChatTemplate
 from lse_core.template.thinking import Level, resolve_level, template_variables
-from lse_core.tools import ToolCallParser, tool_call_format
+from lse_core.tools import BARE_JSON, ToolCallParser, tool_call_format
 
 log = logging.getLogger("lse")
 
@@ -71,6 +72,7 @@ class LSE:
     engine: Engine
     fallback: FallbackLog
     startup_warnings: list[str]
+    grammars: structured.GrammarTokenizer
     stats: Stats = field(default_factory=Stats)
     responses: ResponseStore = field(default_factory=ResponseStore)   # /v1/responses' stored conversations
 
@@ -103,8 +105,9 @@ def lse_open_or_raise(config: LSEConfig | dict[str, Any] | None = None) -> LSE:
     plan = Plan.build(graph, devices, ctx, interpreter, not refused, fallback.record, model.release_file_pages)
     _log_plan(plan)
     engine = Engine(plan, model.tokenizer, config.parallel, config.max_queue, config.prefill_chunk)
+    grammars = structured.GrammarTokenizer(model.tokenizer, _logits_width(graph))
     return LSE(config, model, _model_id(model), template, thinking, defaults, context_length, registry,
-               devices, plan, engine, fallback, warnings)
+               devices, plan, engine, fallback, warnings, grammars)
 
 
 def lse_open(config: LSEConfig | dict[str, Any] | None = None) -> LSE | None:
@@ -127,6 +130,12 @@ def _model_id(model: Model) -> str:
 
     name = os.path.basename(os.path.normpath(model.source))
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def _logits_width(graph: Graph) -> int:
+    """The vocabulary the logits cover: the rows of the matrix that makes them (it may pad the tokenizer's)."""
+    head = next(n for n in graph.nodes if n.output == graph.output)
+    return graph.weights[head.params[0]].shape[0]
 
 
 def _log_plan(plan: Plan) -> None:
@@ -193,13 +202,14 @@ def _start(lse: LSE, request: Request, body: Any) -> None:
     limit = resolve_limit(req.max_tokens, lse.config.max_tokens, lse.defaults, len(prompt),
                           lse.context_length, req.prompt_param)
     tool_parser = _tool_call_parser(lse, req)
+    splitter = reasoning_splitter(lse.thinking, level, prompt_text)
     params = SeqParams(
         prompt=prompt, max_new_tokens=limit.max_new_tokens, limit_reason=limit.stop_reason,
         sampling=resolve_sampling(req, lse.defaults), stop=list(req.stop), eos_ids=tokenizer.eos_ids,
-        top_logprobs=req.top_logprobs if req.logprobs else None,
-        splitter=reasoning_splitter(lse.thinking, level, prompt_text),
+        top_logprobs=req.top_logprobs if req.logprobs else None, splitter=splitter,
         # tool-call markers can be special tokens (Mistral's [TOOL_CALLS]): the parser must see them
-        skip_special_tokens=tool_parser is None)
+        skip_special_tokens=tool_parser is None,
+        constraint=_constraint(lse, req, tool_parser, splitter))
     reply = _ReplyBuilder(lse, request, req, prompt_text if req.echo else "", tool_parser)
     if params.max_new_tokens == 0:   # max_length leaves no room: an empty reply, no work
         reply.finish_empty(params)
@@ -245,7 +255,13 @@ class _ReplyBuilder:
         usage = protocol.Usage(len(seq.params.prompt), len(seq.output), seq.cached)
         lse.stats.record(endpoint, seq.stop_reason, len(seq.params.prompt), seq.cached, len(seq.output),
                          seq.t_end - seq.t_submit, first - seq.t_submit)
-        self._end(seq.stop_reason, usage, timings, [protocol.LSEWarning(c, n) for c, n in seq.fallbacks.items()])
+        warnings = [protocol.LSEWarning(c, n) for c, n in seq.fallbacks.items()]
+        constraint = seq.params.constraint
+        if constraint is not None and not constraint.complete and seq.stop_reason != "stop_token":
+            warnings.append(protocol.LSEWarning(
+                f"the reply ended ({seq.stop_reason}) before it completed {constraint.description}: it does not "
+                "match it", None, "structured_output_incomplete"))
+        self._end(seq.stop_reason, usage, timings, warnings)
 
     def finish_empty(self, params: SeqParams) -> None:
         self._end(params.limit_reason, protocol.Usage(len(params.prompt), 0), protocol.Timings(0, 0.0, 0, 0.0), [])
@@ -318,11 +334,61 @@ def lse_tokenize(lse: LSE, body: Any) -> dict[str, Any]:
 
 def _tool_call_parser(lse: LSE, req: protocol.GenerationRequest) -> ToolCallParser | None:
     """A parser for the reply's tool calls when the request offered tools the model may call and the
-    template shows the model a call format."""
+    template shows the model a call format, or enforces a call (then written as bare JSON if it shows none)."""
     if not req.tools or req.tool_choice == "none" or lse.template is None:
         return None
     call_format = tool_call_format(lse.template.source)
+    if call_format is None and (req.tool_choice == "required" or isinstance(req.tool_choice, dict)):
+        call_format = BARE_JSON
     return ToolCallParser(call_format, req.tools) if call_format else None
+
+
+def _constraint(lse: LSE, req: protocol.GenerationRequest, tool_parser: ToolCallParser | None,
+                splitter: ReasoningSplitter | None) -> structured.Constraint | None:
+    """The grammar the reply follows, if any: the request's response_format (or another constraint field),
+    or, for tool calls, every call when tool_choice is required or names a function, and with auto the
+    rest of a call once its opening marker appears. A reply that may reason (``splitter``) keeps its
+    reasoning block free; the grammar constrains what follows it."""
+    forced = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
+    grammars = lse.grammars
+
+    def constraint(grammar: str, param: str, description: str) -> structured.Constraint:
+        if splitter is not None:
+            grammar = structured.with_reasoning(grammar, splitter.open_marker, splitter.close_marker, splitter.inside,
+                                                grammars.special_id)
+        return structured.Constraint(grammars, grammars.matcher(grammar, param), description)
+
+    if req.constraint is not None:
+        if forced and req.tools:
+            raise invalid_request(f"tool_choice and {req.constraint.param.split('.')[0]} both constrain the reply; "
+                                  "send one", "invalid_value", "tool_choice")
+        return constraint(structured.constraint_grammar(req.constraint), req.constraint.param, req.constraint.param)
+    if tool_parser is None or tool_parser.format.body is None:
+        if forced and req.tools:
+            raise invalid_request("tool_choice cannot be enforced for this chat template: its calls are written "
+                                  "between special tokens (DeepSeek, Kimi, Solar), which LSE does not constrain yet",
+                                  "invalid_value", "tool_choice")
+        return None
+    call_format = tool_parser.format
+    name = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
+    if name is not None and name not in tool_parser.names:
+        raise invalid_request(f"tool_choice names {name!r:.60}, which is not among the offered tools",
+                              "invalid_value", "tool_choice.function.name")
+    if forced:
+        grammar = structured.tool_call_grammar(call_format, req.tools, name, req.parallel_tool_calls,
+                                               grammars.special_id, lazy=False)
+        return constraint(grammar, "tools", "tool_choice")
+    if call_format.whole_reply:   # the reply is a call or text from its first character: nothing to wait for
+        return None
+    grammar = structured.tool_call_grammar(call_format, req.tools, None, req.parallel_tool_calls,
+                                           grammars.special_id, lazy=True)
+    try:
+        matcher = grammars.matcher(grammar, "tools")
+    except LSEError as e:   # a schema llguidance cannot enforce: the calls stay free, as without a grammar
+        log.warning("lse: tool calls are not constrained: %s", e)
+        return None
+    return structured.Constraint(grammars, matcher, "a tool call", trigger=call_format.open_marker,
+                                 repeat=req.parallel_tool_calls and call_format.body == "object")
 
 
 def _ms(seconds: float) -> float:
@@ -355,7 +421,7 @@ def lse_model_info(lse: LSE) -> dict[str, Any]:
     """The model, its thinking levels, sampling defaults, devices and plan; ``served`` is its
     /v1/models entry."""
     served = protocol.model_entry(lse.model_id, int(lse.stats.started), lse.context_length,
-                                  lse.thinking.to_json(), lse.defaults)
+                                  lse.thinking.to_json(), lse.defaults, structured.supported())
     placements = lse.plan.placements
     return {
         "object": "lse.model_info",

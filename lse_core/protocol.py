@@ -11,7 +11,8 @@ What the engine side fills in:
                 finish_reason is derived from it), logprobs when the request asked for them
   Usage         prompt tokens (the whole prompt, cached ones included), reply tokens, cached tokens
   Timings       prompt tokens computed and their milliseconds; reply tokens and their milliseconds
-  LSEWarning    one lse_warnings entry: a CPU fallback cause and how often this request ran it
+  LSEWarning    one lse_warnings entry: a CPU fallback cause and how often this request ran it, or a reply
+                whose structured output was cut short
   Outcome       all of the above for a finished reply, plus the context length
 
 ``Reply(request, model)`` shapes one reply: ``.response(outcome)`` for a whole reply, or
@@ -73,12 +74,32 @@ class GenerationRequest:
     echo: bool = False                              # completion: return the prompt before the reply
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    constraint: OutputConstraint | None = None       # structured output: what the reply must match
 
     @property
     def prompt_param(self) -> str:
         """The field a prompt error names: messages or prompt."""
         return "messages" if self.endpoint == "chat" else "prompt"
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """What a reply must match (lse_core.structured compiles it). kind: json_schema (value: the schema),
+    regex (a pattern), choice (a list of strings), lark or gbnf (a grammar's text); param: the field it
+    came from, which an error about it names; strict: OpenAI's json_schema.strict."""
+
+    kind: str
+    value: Any
+    param: str
+    strict: bool = False
+
+
+# The fields that ask for structured output, one per request: OpenAI's, vLLM's and llama.cpp's.
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "grammar", "json_schema")
+STRUCTURED_OUTPUT_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark",
+                          "json_object": "json_object"}
 
 
 def parse_chat(body: object) -> GenerationRequest:
@@ -93,6 +114,7 @@ def parse_chat(body: object) -> GenerationRequest:
     request.logprobs, request.top_logprobs = logprobs, top_logprobs
     request.tools = _optional(body, "tools", _tools)
     request.tool_choice = _optional(body, "tool_choice", _tool_choice)
+    request.parallel_tool_calls = _optional(body, "parallel_tool_calls", _boolean) is not False
     request.chat_template_kwargs = _optional(body, "chat_template_kwargs", _object)
     return request
 
@@ -173,16 +195,97 @@ def _parse_common(body: dict[str, Any], endpoint: str) -> GenerationRequest:
         repetition_penalty=_optional(body, "repetition_penalty", _positive_number),
         frequency_penalty=_optional(body, "frequency_penalty", _number),
         seed=_optional(body, "seed", _integer, 0),
+        constraint=_output_constraint(body),
     )
+
+
+def _output_constraint(body: dict[str, Any]) -> OutputConstraint | None:
+    """The reply's constraint: response_format (json_object, json_schema), vLLM's structured_outputs (json,
+    regex, choice, grammar), or llama.cpp's grammar (GBNF) and json_schema; at most one of them."""
+    found = []
+    response_format = _optional(body, "response_format", _object)
+    if response_format is not None:
+        found.append(_response_format(response_format))
+    structured = _optional(body, "structured_outputs", _object)
+    if structured is not None:
+        found.append(_structured_outputs(structured))
+    if body.get("grammar") is not None:
+        found.append(OutputConstraint("gbnf", _grammar_text(body["grammar"], "grammar"), "grammar"))
+    if body.get("json_schema") is not None:
+        found.append(OutputConstraint("json_schema", _schema(body["json_schema"], "json_schema"), "json_schema"))
+    found = [c for c in found if c is not None]
+    if len(found) > 1:
+        raise invalid_request(f"{found[1].param.split('.')[0]} and {found[0].param.split('.')[0]} both constrain the "
+                              "reply; send one", "invalid_value", found[1].param.split(".")[0])
+    return found[0] if found else None
+
+
+def _response_format(value: dict[str, Any]) -> OutputConstraint | None:
+    kind = _optional(value, "type", _string, path="response_format") or "text"
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return OutputConstraint("json_schema", {"type": "object"}, "response_format")
+    if kind != "json_schema":
+        raise invalid_request(f"response_format.type must be text, json_object or json_schema, got {kind!r:.40}",
+                              "invalid_value", "response_format.type")
+    spec = _required(value, "json_schema", _object, "response_format")
+    _optional(spec, "name", _string, path="response_format.json_schema")
+    strict = _optional(spec, "strict", _boolean, path="response_format.json_schema") or False
+    schema = spec.get("schema")
+    param = "response_format.json_schema.schema"
+    return OutputConstraint("json_schema", {"type": "object"} if schema is None else _schema(schema, param), param,
+                            strict)
+
+
+def _structured_outputs(value: dict[str, Any]) -> OutputConstraint | None:
+    given = [key for key in STRUCTURED_OUTPUT_KEYS if value.get(key) is not None]
+    if len(given) != 1:
+        raise invalid_request(f"structured_outputs takes exactly one of {', '.join(STRUCTURED_OUTPUT_KEYS)}, got "
+                              f"{', '.join(given) or 'none'}", "invalid_value", "structured_outputs")
+    key = given[0]
+    param = f"structured_outputs.{key}"
+    raw = value[key]
+    match key:
+        case "json":
+            schema = json.loads(raw) if _is_json_text(raw) else raw
+            return OutputConstraint("json_schema", _schema(schema, param), param)
+        case "json_object":
+            return OutputConstraint("json_schema", {"type": "object"}, param) if _boolean(raw, param) else None
+        case "choice":
+            choices = _array(raw, param)
+            if not choices:
+                raise invalid_request(f"{param} must not be empty", "invalid_value", param)
+            return OutputConstraint("choice", [_string(c, f"{param}[{i}]") for i, c in enumerate(choices)], param)
+    return OutputConstraint(STRUCTURED_OUTPUT_KEYS[key], _grammar_text(raw, param), param)
+
+
+def _is_json_text(value: Any) -> bool:
+    """vLLM takes a schema as an object or as its JSON text."""
+    if not isinstance(value, str):
+        return False
+    try:
+        json.loads(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _schema(value: Any, path: str) -> dict[str, Any] | bool:
+    if isinstance(value, bool):   # true: any JSON value; false: none
+        return value
+    return _object(value, path)
+
+
+def _grammar_text(value: Any, path: str) -> str:
+    if not _string(value, path).strip():
+        raise invalid_request(f"{path} must not be empty", "invalid_value", path)
+    return value
 
 
 def _refuse_unsupported(body: dict[str, Any], endpoint: str) -> None:
     """OpenAI fields LSE does not implement, refused when they would change the reply: ignoring
     them would hand the client something other than what it asked for."""
-    response_format = _optional(body, "response_format", _object)
-    if response_format is not None and response_format.get("type", "text") != "text":
-        raise invalid_request(f"response_format {str(response_format.get('type'))!r:.40} is not supported: LSE has "
-                              "no constrained decoding; only type text", "invalid_value", "response_format")
     if _optional(body, "logit_bias", _object):
         raise invalid_request("logit_bias is not supported", "invalid_value", "logit_bias")
     if endpoint == "completion":
@@ -532,12 +635,16 @@ class Timings:
 
 @dataclass
 class LSEWarning:
+    """One lse_warnings entry: a CPU fallback cause and how often this request ran it, or (count None)
+    another warning about the reply, such as structured output cut short."""
+
     cause: str
-    count: int
+    count: int | None
     type: str = "cpu_fallback"
 
     def to_json(self) -> dict[str, Any]:
-        return {"type": self.type, "cause": self.cause, "count": self.count}
+        body: dict[str, Any] = {"type": self.type, "cause": self.cause}
+        return body if self.count is None else body | {"count": self.count}
 
 
 @dataclass
@@ -685,8 +792,9 @@ def tokenized(ids: list[int], pieces: list[bytes] | None, context_length: int) -
 
 
 def model_entry(model_id: str, created: int, context_length: int, thinking: dict[str, Any],
-                defaults: GenerationDefaults) -> dict[str, Any]:
-    """One /v1/models entry; ``thinking`` is the template's thinking object as the spec shows it."""
+                defaults: GenerationDefaults, structured_outputs: dict[str, Any]) -> dict[str, Any]:
+    """One /v1/models entry; ``thinking`` is the template's thinking object as the spec shows it,
+    ``structured_outputs`` what lse_core.structured supports."""
     return {"id": model_id, "object": "model", "created": created, "owned_by": "lse",
             "context_length": context_length, "thinking": thinking,
-            "generation_defaults": defaults.to_json()}
+            "generation_defaults": defaults.to_json(), "structured_outputs": structured_outputs}

@@ -38,25 +38,35 @@ from typing import Any
 class ToolCallFormat:
     """open_marker starts a call block; close_marker ends it, or None when the block runs to the reply's end.
     whole_reply: the block is the reply itself, open_marker its first character (kept in the block), after
-    whitespace and an optional ``lead`` marker. short_ids: the template checks for Mistral's 9-character ids."""
+    whitespace and an optional ``lead`` marker. short_ids: the template checks for Mistral's 9-character ids.
+
+    How LSE writes a call when it enforces one (lse_core.structured): ``body`` is "object" (a block holds one
+    JSON object, blocks follow each other on new lines), "list" (a block holds a JSON list of them) or None
+    (the calls are written between tokens, which LSE cannot enforce); each object holds the function's name
+    under ``name_key`` and its arguments under ``arguments_key``."""
 
     open_marker: str
     close_marker: str | None
     whole_reply: bool = False
     lead: str = ""
     short_ids: bool = False
+    body: str | None = "list"
+    name_key: str = "name"
+    arguments_key: str = "arguments"
 
 
-HERMES = ToolCallFormat("<tool_call>", "</tool_call>")
+HERMES = ToolCallFormat("<tool_call>", "</tool_call>", body="object")
 MISTRAL = ToolCallFormat("[TOOL_CALLS]", None, short_ids=True)
 GRANITE = ToolCallFormat("<|tool_call|>", None)
 LFM2 = ToolCallFormat("<|tool_call_start|>", "<|tool_call_end|>")
 APRIEL = ToolCallFormat("<tool_calls>", "</tool_calls>")
-COMMAND_R = ToolCallFormat("<|START_ACTION|>", "<|END_ACTION|>")
-DEEPSEEK = ToolCallFormat("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
-KIMI = ToolCallFormat("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
-SOLAR = ToolCallFormat("<|tool_calls|>", "<|calls|>")
-LLAMA3 = ToolCallFormat("{", None, whole_reply=True, lead="<|python_tag|>")
+COMMAND_R = ToolCallFormat("<|START_ACTION|>", "<|END_ACTION|>", name_key="tool_name", arguments_key="parameters")
+DEEPSEEK = ToolCallFormat("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", body=None)
+KIMI = ToolCallFormat("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", body=None)
+SOLAR = ToolCallFormat("<|tool_calls|>", "<|calls|>", body=None)
+LLAMA3 = ToolCallFormat("{", None, whole_reply=True, lead="<|python_tag|>", body="object", arguments_key="parameters")
+# For a template that shows no call format, when the request enforces a call: the reply is the call's JSON.
+BARE_JSON = ToolCallFormat("{", None, whole_reply=True, body="object")
 
 # Text in a template that shows a format, most specific first (Apriel's template names <tool_call> too).
 _SHOWN_BY = (
@@ -215,11 +225,17 @@ class ToolCallParser:
     """feed() content deltas, get the content to stream; finish() gives the held-back content and the calls.
 
     Whitespace between content and a block, and right after a parsed block, is dropped: a reply of calls
-    alone has no content. A block that does not parse is given back with the whitespace before it."""
+    alone has no content. A block that does not parse is given back with the whitespace before it.
+
+    Small models often answer a call as a bare JSON object without the template's markers ({"name":
+    "get_weather", "arguments": {...}}): a reply that starts with "{" is held to its end, and is a call
+    when it parses as calls of offered tools, content otherwise."""
 
     def __init__(self, call_format: ToolCallFormat, tools: list[dict[str, Any]] | None = None) -> None:
         self.format = call_format
         self.types = parameter_types(tools)
+        self.names = {tool["function"]["name"] for tool in tools or []}
+        self.bare: bool | None = None      # the reply may be a bare JSON call; None until its first character
         self.calls: list[dict[str, Any]] = []
         self.pending = ""          # held-back text: a block's body when inside, else a possible marker
         self.inside = False
@@ -231,6 +247,10 @@ class ToolCallParser:
         self.pending += text
         if self.format.whole_reply:
             return self._feed_whole_reply()
+        if self.bare is None and self.pending.strip():
+            self.bare = self.pending.lstrip().startswith("{")
+        if self.bare is not False:
+            return ""
         content = ""
         while self.pending:
             if self.inside:
@@ -283,6 +303,15 @@ class ToolCallParser:
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """The content still held back, and every call the reply made. A block left open is parsed as it
         stands (one that runs to the end always is)."""
+        if self.bare:
+            calls = parse_calls(self.pending, self.types, self.format.short_ids)
+            if calls and all(call["function"]["name"] in self.names for call in calls):
+                self.pending = ""
+                return "", calls
+            self.bare = False
+            held = self.feed("")
+            more, calls = self.finish()
+            return held + more, calls
         held, self.pending = self.pending, ""
         if self.format.whole_reply:
             body = held.lstrip().removeprefix(self.format.lead)

@@ -246,6 +246,8 @@ def test_every_launch_matches_its_kernels_c_signature(monkeypatch, tiny_checkpoi
             model = quantized(model, matrix_type)
         plan = Plan.build(build_graph(model), [device], ctx, fallback_device=None, allow_fallback=False)
         prompt = prompt_ids(tiny_checkpoint(arch))
+        sampling.constrained = np.array([True, False])   # structured output on the first row
+        sampling.token_mask = np.full((2, -(-model.config["vocab_size"] // 32)), -1, np.int32)
         plan.run(make_step([(1, prompt, 0)]), want_logits=True)                        # a long prefill: cuBLAS
         plan.run(make_step([(1, [5], len(prompt)), (2, [1, 2, 3], 0)], sampling))   # decode: the GEMV
     assert set(launches) == {*KERNEL_NAMES, "fused"}

@@ -256,6 +256,8 @@ def sampling_batch() -> ir.SamplingBatch:
     s.presence_penalty[:] = [0.0, 0.5, 0.0, 0.0]
     s.recent[1, :6] = [3, 7, 7, 0, 99, 3]
     s.uniform[:] = [0.3, 0.5, 0.9, 0.01]
+    s.constrained = np.array([False, True, False, True])
+    s.token_mask = RNG.integers(-2**31, 2**31, (4, 4), dtype=np.int64).astype(np.int32)   # 100 tokens: 4 words
     return s
 
 

@@ -148,7 +148,8 @@ def test_every_value_stays_float32_through_every_op(llama_checkpoint, monkeypatc
     """A step with every sampling op switched on; each group's outputs are recorded (unlinked, so
     that every group is a stage of its own)."""
     monkeypatch.setattr(CPUDevice, "can_link", lambda self, kernel: False)
-    plan = cpu_plan(load_hf(str(llama_checkpoint)))
+    model = load_hf(str(llama_checkpoint))
+    plan = cpu_plan(model)
     dtypes = {}
     for stage in plan.stages:
         def record(inputs, step, kernel=stage.kernel, names=stage.outputs):
@@ -161,6 +162,8 @@ def test_every_value_stays_float32_through_every_op(llama_checkpoint, monkeypatc
     sampling.temperature[:], sampling.top_k[:], sampling.top_p[:], sampling.min_p[:] = 0.7, 50, 0.9, 0.01
     sampling.repetition_penalty[:], sampling.presence_penalty[:] = 1.1, 0.2
     sampling.recent[0, :4], sampling.uniform[:] = prompt[-4:], 0.5
+    words = -(-model.config["vocab_size"] // 32)
+    sampling.constrained, sampling.token_mask = np.array([True]), np.full((1, words), -1, np.int32)
     plan.run(make_step([(0, prompt, 0)], sampling))
     assert dtypes.pop("next_tokens") == np.int32
     assert {f"sampling.{i}.{op}" for i, op in enumerate(ir.SAMPLING_OPS[:-1])} <= set(dtypes)
@@ -203,7 +206,7 @@ def test_quantized_weight_is_dequantized_once_and_used_transposed():
 def sampling_step(n_seqs: int, **fields) -> ir.Step:
     sampling = greedy_sampling(n_seqs)
     for name, value in fields.items():
-        setattr(sampling, name, np.asarray(value, dtype=getattr(sampling, name).dtype))
+        setattr(sampling, name, np.asarray(value, dtype=SAMPLING_DTYPES.get(name) or getattr(sampling, name).dtype))
     return make_step([(i, [0], 0) for i in range(n_seqs)], sampling)
 
 
@@ -212,6 +215,21 @@ def sampling_op(op: str, logits, step: ir.Step) -> np.ndarray:
 
 
 INF = np.inf
+SAMPLING_DTYPES = {"constrained": bool, "token_mask": np.int32}   # fields greedy_sampling leaves None
+
+
+def test_mask_drops_the_tokens_whose_bit_is_clear_in_constrained_rows_only():
+    vocab = 40                                  # two words; the second word's bits past token 39 are unused
+    allowed = [0, 5, 31, 32, 39]
+    bits = np.zeros(2 * 32, np.uint8)
+    bits[allowed] = 1
+    word = np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
+    step = sampling_step(2, constrained=[True, False], token_mask=np.stack([word, np.zeros(2, np.int32)]))
+    logits = np.arange(2 * vocab, dtype=np.float32).reshape(2, vocab)
+    out = sampling_op("mask", logits, step)
+    np.testing.assert_array_equal(np.flatnonzero(np.isfinite(out[0])), allowed)
+    np.testing.assert_array_equal(out[0, allowed], logits[0, allowed])
+    np.testing.assert_array_equal(out[1], logits[1])      # an unconstrained row is untouched
 
 
 def test_penalize_divides_positive_multiplies_negative_and_subtracts_presence_once():

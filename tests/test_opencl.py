@@ -243,7 +243,7 @@ def sampling_batch(rng, n: int, **fields) -> SamplingBatch:
     batch.recent = rng.integers(-1, 300, (n, PENALTY_WINDOW)).astype(np.int32)
     batch.uniform = rng.random(n).astype(np.float32)
     for k, v in fields.items():
-        setattr(batch, k, np.asarray(v, dtype=getattr(batch, k).dtype))
+        setattr(batch, k, np.asarray(v, dtype=bool if k == "constrained" else getattr(batch, k).dtype))
     return batch
 
 
@@ -265,6 +265,17 @@ def test_penalize(device):
             want[i, t] = (v / s.repetition_penalty[i] if v > 0 else v * s.repetition_penalty[i]) \
                 - s.presence_penalty[i]
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_mask_keeps_only_allowed_tokens_of_constrained_rows(device):
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((3, 1000)).astype(np.float32)
+    s = sampling_batch(rng, 3, constrained=[True, False, True])
+    s.token_mask = rng.integers(-2**31, 2**31, (3, 32), dtype=np.int64).astype(np.int32)   # 1000 tokens: 32 words
+    got = run_sampling(device, "mask", logits, s)
+    allowed = np.unpackbits(s.token_mask.view(np.uint8), axis=1, bitorder="little")[:, :1000].astype(bool)
+    allowed[1] = True
+    np.testing.assert_array_equal(got, np.where(allowed, logits, -np.inf))
 
 
 def test_temperature(device):

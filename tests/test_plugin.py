@@ -125,15 +125,20 @@ def test_windowed_attention_and_sampling_match_the_interpreter(hrx):
     sampling_step = make_step([(i, [0], 0) for i in range(3)])
     sampling_step.sampling.temperature = np.array([0.0, 0.9, 1.0], np.float32)
     sampling_step.sampling.uniform = np.array([0.5, 0.25, 0.999], np.float32)
+    sampling_step.sampling.constrained = np.array([True, True, False])     # structured output's mask
+    sampling_step.sampling.token_mask = rng.integers(-2**31, 2**31, (3, 16), dtype=np.int64).astype(np.int32)
+    mask = ir.Node("mask", ("logits",), "masked")
     results = []
     for device in (hrx, CPUDevice()):
         attend = device.compile(node_group(attention), {}, CTX)
         outs = [device.to_host(attend([device.to_device(x) for x in xs], s)[0]) for s, xs in zip(steps, inputs)]
         draw = device.compile(node_group(sample), {}, CTX)
-        tokens = device.to_host(draw([device.to_device(logits)], sampling_step)[0])
-        results.append((outs, tokens))
-    (got, got_tokens), (want, want_tokens) = results
+        masked = device.compile(node_group(mask), {}, CTX)([device.to_device(logits)], sampling_step)
+        tokens = device.to_host(draw(masked, sampling_step)[0])
+        results.append((outs, tokens, device.to_host(masked[0])))
+    (got, got_tokens, got_masked), (want, want_tokens, want_masked) = results
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got_masked, want_masked)
     assert got_tokens.tolist() == want_tokens.tolist()
-    assert got_tokens[0] == np.argmax(logits[0])
+    assert got_tokens[0] == np.argmax(want_masked[0])

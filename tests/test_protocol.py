@@ -213,9 +213,21 @@ def test_message_errors_name_the_path(body, code, param):
     ({"tool_choice": "sometimes"}, "invalid_value", "tool_choice"),
     ({"tool_choice": {"type": "function"}}, "missing_field", "tool_choice.function"),
     ({"chat_template_kwargs": "enable_thinking"}, "invalid_type", "chat_template_kwargs"),
-    ({"response_format": {"type": "json_object"}}, "invalid_value", "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "invalid_value", "response_format"),
+    ({"response_format": {"type": "xml"}}, "invalid_value", "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "missing_field", "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "object"}}},
+     "invalid_type", "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}},
+     "invalid_type", "response_format.json_schema.strict"),
     ({"response_format": "json"}, "invalid_type", "response_format"),
+    ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "invalid_value", "structured_outputs"),
+    ({"structured_outputs": {}}, "invalid_value", "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "invalid_value", "structured_outputs.choice"),
+    ({"structured_outputs": {"choice": ["a", 1]}}, "invalid_type", "structured_outputs.choice[1]"),
+    ({"structured_outputs": {"json": "not json"}}, "invalid_type", "structured_outputs.json"),
+    ({"grammar": ""}, "invalid_value", "grammar"),
+    ({"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}}, "invalid_value", "grammar"),
+    ({"parallel_tool_calls": "no"}, "invalid_type", "parallel_tool_calls"),
     ({"logit_bias": {"50256": -100}}, "invalid_value", "logit_bias"),
     ({"logit_bias": [1]}, "invalid_type", "logit_bias"),
 ])
@@ -607,10 +619,11 @@ def test_model_entry():
     thinking = {"supported": False, "source": None, "toggle": None, "effort": None,
                 "default_level": None, "levels": []}
     defaults = generation_defaults({"temperature": 1.0, "top_k": 20, "top_p": 0.95}, {}, None)
-    entry = model_entry("SmolLM2-135M-Instruct", 1700000000, 4096, thinking, defaults)
+    structured_outputs = {"supported": True}
+    entry = model_entry("SmolLM2-135M-Instruct", 1700000000, 4096, thinking, defaults, structured_outputs)
     assert entry == {"id": "SmolLM2-135M-Instruct", "object": "model", "created": 1700000000, "owned_by": "lse",
                      "context_length": 4096, "thinking": thinking,
-                     "generation_defaults": defaults.to_json()}
+                     "generation_defaults": defaults.to_json(), "structured_outputs": structured_outputs}
     assert entry["generation_defaults"]["sources"]["top_k"] == "generation_config.json"
     json.dumps(entry, allow_nan=False)
 

@@ -244,6 +244,25 @@ def test_string_arguments_pass_as_they_are() -> None:
     assert calls[0]["function"]["arguments"] == '{"x": 1}'
 
 
+def test_a_bare_json_call_of_an_offered_tool_is_a_call() -> None:
+    """As a real Qwen2.5 0.5B answered: the call's JSON without the template's <tool_call> tags."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    streamed_content, calls = parse(['  {"name": "get_weather", ', '"arguments": {"city": "Paris"}}'], HERMES, tools)
+    assert streamed_content == ["", "", ""]
+    assert [call_of(c) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize("reply", ['{"name": "other_tool", "arguments": {}}', '{"city": "Paris"}',
+                                   '{"name": "get_weather"} and <tool_call>{"name": "get_weather"}</tool_call>'])
+def test_json_that_is_not_a_bare_call_of_an_offered_tool_is_content(reply: str) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    streamed_content, calls = parse([reply[:7], reply[7:]], HERMES, tools)
+    if "<tool_call>" in reply:   # held to the end, then read as usual: the tagged call is a call
+        assert "".join(streamed_content) == '{"name": "get_weather"} and' and len(calls) == 1
+    else:
+        assert "".join(streamed_content) == reply and calls == []
+
+
 def test_mistral_list() -> None:
     second = {"name": "get_time", "arguments": {}}
     text = f"[TOOL_CALLS]{json.dumps([CALL, second])}"

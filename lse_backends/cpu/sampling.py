@@ -23,6 +23,11 @@ def _softmax(row: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
+def _mask(row: np.ndarray, s: SamplingBatch, i: int) -> None:
+    allowed = np.unpackbits(s.token_mask[i].view(np.uint8), bitorder="little")[:len(row)]
+    row[allowed == 0] = NEG_INF
+
+
 def _penalize(row: np.ndarray, s: SamplingBatch, i: int) -> None:
     recent = s.recent[i]
     seen = np.unique(recent[(recent >= 0) & (recent < len(row))])
@@ -93,6 +98,7 @@ def sample(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeKer
 
 
 SAMPLING_KERNELS = {
+    "mask": _row_op("mask", _mask),
     "penalize": _row_op("penalize", _penalize),
     "temperature": _row_op("temperature", _temperature),
     "top_k": _row_op("top_k", _top_k),

@@ -87,7 +87,7 @@ class CUDADevice(Device):
         self._builders: dict[str, Callable[[Node, Mapping[str, Any], CompileContext], Kernel | str]] = {
             "embedding": self._embedding, "rms_norm": self._rms_norm, "linear": self._linear,
             "rope": self._rope, "attention": self._attention, "last_rows": self._last_rows,
-            "penalize": self._penalize, "temperature": self._temperature, "top_k": self._top_k,
+            "mask": self._mask, "penalize": self._penalize, "temperature": self._temperature, "top_k": self._top_k,
             "top_p": self._top_p, "min_p": self._min_p, "sample": self._sample,
         }
 
@@ -309,6 +309,10 @@ class CUDADevice(Device):
             return [out]
 
         return run
+
+    def _mask(self, node: Node, weights: Mapping[str, Any], ctx: CompileContext) -> Kernel:
+        return self._row_op("mask", lambda rows, vocab: ((vocab + THREADS - 1) // THREADS, rows), THREADS,
+                            ("token_mask",))
 
     def _penalize(self, node: Node, weights: Mapping[str, Any], ctx: CompileContext) -> Kernel:
         return self._row_op("penalize", lambda rows, vocab: (rows,), (PENALTY_WINDOW + 31) // 32 * 32,

@@ -28,7 +28,7 @@ GEMV_WARPS = 4           # output features per GEMV block, one warp each
 QUANT_KINDS = {"Q4_0": ("q4_0", 0, 18), "Q4_1": ("q4_1", 1, 20), "Q8_0": ("q8_0", 2, 34)}
 
 KERNEL_NAMES = ("embedding", "rms_norm", "rope", "kv_write", "attention", "gather_rows",
-                "penalize", "temperature", "top_k", "top_p", "min_p", "sample",
+                "mask", "penalize", "temperature", "top_k", "top_p", "min_p", "sample",
                 *(f"{kernel}_{suffix}" for suffix, _, _ in QUANT_KINDS.values()
                   for kernel in ("gemv", "dequantize_rows")))
 
@@ -42,6 +42,7 @@ STEP_ARRAYS: dict[str, Callable[[Step], np.ndarray]] = {
     **{name: (lambda s, name=name: getattr(s.sampling, name).astype(np.float32))
        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "uniform")},
     "top_k": lambda s: s.sampling.top_k.astype(np.int32),
+    "token_mask": lambda s: s.sampling.token_mask.astype(np.int32),   # read after the plan awaited it
     **{f"needed.{op}": (lambda s, op=op: SAMPLING_OP_NEEDED[op](s.sampling).astype(np.int32))
        for op in SAMPLING_OP_NEEDED},
 }
@@ -341,6 +342,15 @@ extern "C" __global__ void penalize(float* logits, const int* recent, const floa
   const float rp = repetition[row];
   const float v = *x > 0.0f ? *x / rp : *x * rp;
   *x = v - presence[row];
+}
+
+/* mask: grid (ceil(vocab / blockDim), rows); a constrained row's tokens whose bit is clear (bit j % 32 of
+   word j / 32 of the row's ceil(vocab / 32) words) get -inf. */
+extern "C" __global__ void mask(float* logits, const int* token_mask, const int* needed, int vocab) {
+  const int row = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (!needed[row] || i >= vocab) return;
+  const long word = (long)row * ((vocab + 31) / 32) + (i >> 5);
+  if (!((token_mask[word] >> (i & 31)) & 1)) logits[(long)row * vocab + i] = NEG_INF;
 }
 
 /* temperature: grid (ceil(vocab / blockDim), rows), one thread per element. */

@@ -175,7 +175,7 @@ def _sampling_kernel(group: FusedGroup, ctx: CompileContext) -> Kernel:
         (logits,) = inputs
         out = np.empty_like(logits)
         s = step.sampling
-        parameters = {"penalize": (s.repetition_penalty, s.presence_penalty, s.recent),
+        parameters = {"mask": (s.token_mask,), "penalize": (s.repetition_penalty, s.presence_penalty, s.recent),
                       "temperature": (s.temperature,), "top_k": (s.top_k,), "top_p": (s.top_p,),
                       "min_p": (s.min_p,)}[op]
         kernel(logits, needed(s), *parameters, out)

@@ -19,6 +19,18 @@ def _probabilities(row):
 
 
 @njit(cache=True)
+def mask(logits, needed, token_mask, out):
+    """-inf for each token whose bit is clear in its row's mask (bit j % 32 of word j // 32)."""
+    out[:] = logits
+    for i in range(logits.shape[0]):
+        if not needed[i]:
+            continue
+        for j in range(logits.shape[1]):
+            if (token_mask[i, j >> 5] >> (j & 31)) & 1 == 0:
+                out[i, j] = NEG_INF
+
+
+@njit(cache=True)
 def penalize(logits, needed, repetition_penalty, presence_penalty, recent, out):
     """Divide a positive (multiply a negative) logit of each distinct recent token by the repetition
     penalty, then subtract the presence penalty once from it."""

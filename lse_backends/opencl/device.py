@@ -303,9 +303,26 @@ class OpenCLDevice(Device):
 
     # -- sampling: one work-group per sequence
 
+    def _mask(self, kernel: cl.Kernel, wg: int) -> Kernel:
+        """The token masks are uploaded by the mask kernel itself: they are computed during the step,
+        after its other metadata went up."""
+        def run(args: Sequence[CLTensor], step: Step) -> list[CLTensor]:
+            logits = args[0]
+            n_seqs, vocab = logits.shape
+            s = step.sampling
+            masks = self.allocator.upload_packed({"constrained": s.constrained.astype(np.int32),
+                                                  "token_mask": s.token_mask.astype(np.int32)})
+            out = self.allocator.empty(logits.shape)
+            kernel(self.queue, (n_seqs * wg,), (wg,), out.buf, logits.buf, masks["constrained"].buf,
+                   masks["token_mask"].buf, vocab)
+            return [out]
+        return run
+
     def _sampling(self, name: str) -> Kernel:
         wg = min(SAMPLING_WG, 1 << (self.queue.device.max_work_group_size.bit_length() - 1))  # a power of two
         kernel = self._program(kernels.SAMPLING, WG=wg, WINDOW=PENALTY_WINDOW).kernel(name)
+        if name == "mask":
+            return self._mask(kernel, wg)
         params, int_out = SAMPLING_PARAMS[name], name == "sample"
 
         def run(args: Sequence[CLTensor], step: Step) -> list[CLTensor]:

@@ -324,6 +324,20 @@ uint bisect_key(__global const float* row, __global const float* probs, const in
   return key;
 }
 
+// mask: structured output's allowed tokens, one bit each (bit j % 32 of word j / 32); a constrained
+// row's other tokens get -inf.
+__kernel void mask(__global float* out, __global const float* logits, __global const int* constrained,
+                   __global const int* token_mask, const int vocab) {
+  const int s = get_group_id(0);
+  __global const float* row = logits + IDX(s, 0, vocab);
+  __global float* dst = out + IDX(s, 0, vocab);
+  __global const int* bits = token_mask + IDX(s, 0, (vocab + 31) / 32);
+  for (int i = get_local_id(0); i < vocab; i += WG) {
+    const int allowed = !constrained[s] || ((bits[i >> 5] >> (i & 31)) & 1);
+    dst[i] = allowed ? row[i] : -INFINITY;
+  }
+}
+
 __kernel void penalize(__global float* out, __global const float* logits, __global const int* recent,
                        __global const float* repetition, __global const float* presence, const int vocab) {
   const int s = get_group_id(0), lid = get_local_id(0);

@@ -99,4 +99,5 @@ class Engine:
 def _sampling_ops(params: SeqParams) -> set[str]:
     """The sampling ops this request's parameters need."""
     one = sampling_arrays([params.sampling], np.full((1, PENALTY_WINDOW), -1, dtype=np.int32), np.zeros(1, np.float32))
+    one.constrained = np.array([params.constraint is not None])
     return {op for op, needed in SAMPLING_OP_NEEDED.items() if needed(one)[0]}

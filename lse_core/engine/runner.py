@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from concurrent import futures
+
 import numpy as np
 
+from lse_core import structured
 from lse_core.engine.sequence import Sequence
 from lse_core.graph.ir import SamplingBatch, Step
 from lse_core.graph.plan import Plan
@@ -24,13 +27,23 @@ class Runner:
                                  for s, n in batch])
         positions = np.concatenate([np.arange(s.computed, s.computed + n, dtype=np.int32) for s, n in batch])
         self.serial += 1
+        sampling = sampling_batch(batch)
+        # masks only for constrained sequences sampled this step; computed while the plan runs
+        constrained = [(s.params.constraint, i) for i, (s, n) in enumerate(batch)
+                       if s.params.constraint is not None and s.params.constraint.active
+                       and s.computed + n == len(s.tokens)]
+        if constrained:
+            structured.compute_masks(sampling, constrained)
         step = Step(tokens=tokens, positions=positions,
                     slots=np.array([s.slot for s in seqs], dtype=np.int32),
-                    query_starts=starts, sample_rows=starts[1:] - 1,
-                    sampling=sampling_batch(batch), serial=self.serial)
+                    query_starts=starts, sample_rows=starts[1:] - 1, sampling=sampling, serial=self.serial)
         want_logits = any(s.params.top_logprobs is not None for s in seqs)
         want_hidden = any(s.params.on_hidden is not None for s in seqs)
-        out = self.plan.run(step, want_logits, want_hidden)
+        try:
+            out = self.plan.run(step, want_logits, want_hidden)
+        finally:   # the matchers are advanced below: their masks must be done, even after a failed step
+            if sampling.mask_job is not None:
+                futures.wait([sampling.mask_job])
         for cause, mask in out.fallbacks:
             for seq in (s for s, hit in zip(seqs, mask) if hit):
                 seq.fallbacks[cause] = seq.fallbacks.get(cause, 0) + 1

@@ -19,6 +19,13 @@ class Splitter(Protocol):
     def finish(self) -> tuple[str, str]: ...
 
 
+class Constraint(Protocol):
+    """lse_core.structured.Constraint: ``active`` when this step's token is masked; ``advance`` takes the
+    sampled token and says whether the grammar is complete."""
+    active: bool
+    def advance(self, token: int) -> bool: ...
+
+
 @dataclass
 class SeqParams:
     """What the engine needs to run a request (filled by lse_core.api)."""
@@ -34,6 +41,7 @@ class SeqParams:
     skip_special_tokens: bool = True           # False keeps markers a tool-call parser reads
     # embeddings: takes the final hidden rows of each prompt chunk computed (with max_new_tokens 0, no reply)
     on_hidden: Callable[[np.ndarray], None] | None = None
+    constraint: Constraint | None = None       # structured output: the grammar the reply follows
 
 
 @dataclass
@@ -98,6 +106,11 @@ class Sequence:
         if token in self.params.eos_ids:
             self._end(delta, "stop", "stop_token")
             return
+        try:
+            grammar_complete = self.params.constraint is not None and self.params.constraint.advance(token)
+        except RuntimeError as e:   # llguidance gave up on this sequence alone
+            self.fail(e)
+            return
         piece = self._detok.step(self._vocab, token) or ""
         self._decoded += piece
         self._pending += piece
@@ -105,6 +118,9 @@ class Sequence:
         if cut is not None:
             self._pending = self._pending[:cut]
             self._end(delta, "stop", "stop_sequence")
+            return
+        if grammar_complete:    # nothing but an end of turn could follow: end here, as if it had come
+            self._end(delta, "stop", "stop_token")
             return
         if len(self.output) >= self.params.max_new_tokens:
             self._end(delta, "length", self.params.limit_reason)

@@ -27,6 +27,8 @@ Sampling ops, on logits [S, vocab] (row i belongs to sequence i; parameters from
 A sequence whose parameter leaves an op off gets its row unchanged; a step runs only the sampling
 groups some sequence needs (see SAMPLING_OP_NEEDED), so a request's sampling choice decides which
 groups it runs:
+  mask(logits)                  structured output: in the rows of sampling.constrained, a token whose bit is
+                                0 in sampling.token_mask[i] (bit j % 32 of int32 word j // 32) gets -inf
   penalize(logits)              repetition penalty (divide a positive logit of a token in
                                 sampling.recent, multiply a negative one), then subtract presence_penalty
                                 once from each distinct token in sampling.recent
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,11 +54,12 @@ import numpy as np
 
 ELEMENTWISE_OPS = frozenset({"silu", "gelu", "add", "mul", "scale"})
 MODEL_OPS = frozenset({"embedding", "rms_norm", "linear", "rope", "attention", "last_rows"}) | ELEMENTWISE_OPS
-SAMPLING_OPS = ("penalize", "temperature", "top_k", "top_p", "min_p", "sample")
+SAMPLING_OPS = ("mask", "penalize", "temperature", "top_k", "top_p", "min_p", "sample")
 OPS = MODEL_OPS | frozenset(SAMPLING_OPS)
 
 # Which sequences need a sampling op: a function of the step's SamplingBatch -> bool[S].
 SAMPLING_OP_NEEDED = {
+    "mask": lambda s: s.constrained if s.constrained is not None else np.zeros(len(s.temperature), dtype=bool),
     "penalize": lambda s: (s.repetition_penalty != 1.0) | (s.presence_penalty != 0.0),
     "temperature": lambda s: (s.temperature > 0) & (s.temperature != 1.0),
     "top_k": lambda s: (s.temperature > 0) & (s.top_k > 0),
@@ -116,6 +120,14 @@ class SamplingBatch:
     presence_penalty: np.ndarray     # float32 [S], 0 = off
     recent: np.ndarray               # int32 [S, PENALTY_WINDOW], the most recent tokens, -1 padded
     uniform: np.ndarray              # float32 [S], this step's random draw in [0, 1) per sequence
+    constrained: np.ndarray | None = None   # bool [S], the rows the mask op rewrites; None: no row
+    token_mask: np.ndarray | None = None    # int32 [S, ceil(vocab / 32)], allowed tokens as bits (after await_mask)
+    mask_job: Future | None = None          # the masks, computed while the forward pass runs
+
+    def await_mask(self) -> None:
+        """Wait for token_mask (the plan calls this before the mask op; kernels then read it)."""
+        if self.mask_job is not None:
+            self.mask_job.result()
 
 
 @dataclass

@@ -98,6 +98,8 @@ class Plan:
                 if not needed.any():   # nobody needs it: the value passes through unchanged
                     values[stage.outputs[0]] = values[stage.inputs[0]]
                     continue
+                if op == "mask":
+                    step.sampling.await_mask()
             else:
                 needed = every_seq
             if p.refused:

@@ -5,7 +5,7 @@ The module is named by the ``lse.backends`` entry point in pyproject.toml; LSE l
 and IR (lse_core.graph), never LSE's own backends.
 
 "hrx" is a simulated accelerator: its memory and kernels are numpy, and its kernel set is
-deliberately partial (no scale or logits processors but sample; silu and gelu left out unless
+deliberately partial (no scale, and of the sampling ops only mask and sample; silu and gelu left out unless
 HRX_MISSING says otherwise), so groups it cannot run go to LSE's CPU interpreter and are reported as
 CPU fallback. Being a simulator, it finds devices only when asked: HRX_DEVICES=N simulates N devices;
 unset or 0, it finds none and the backend declines.

@@ -125,6 +125,19 @@ def last_rows(node: Node, params: list[np.ndarray], ctx: CompileContext) -> Body
     return lambda inputs, step: [inputs[0][step.sample_rows]]
 
 
+def mask(node: Node, params: list[np.ndarray], ctx: CompileContext) -> Body:
+    """Structured output: a constrained row keeps only the tokens whose bit is set in its mask."""
+    def run(inputs: Sequence[np.ndarray], step: Step) -> list[np.ndarray]:
+        logits = inputs[0].copy()
+        s = step.sampling
+        for i in np.flatnonzero(s.constrained):
+            allowed = np.unpackbits(s.token_mask[i].view(np.uint8), bitorder="little")[:logits.shape[1]]
+            logits[i, allowed == 0] = -np.inf
+        return [logits]
+
+    return run
+
+
 def sample(node: Node, params: list[np.ndarray], ctx: CompileContext) -> Body:
     def run(inputs: Sequence[np.ndarray], step: Step) -> list[np.ndarray]:
         (logits,) = inputs
@@ -141,7 +154,7 @@ def sample(node: Node, params: list[np.ndarray], ctx: CompileContext) -> Body:
 
 KERNELS: dict[str, Callable[[Node, list[np.ndarray], CompileContext], Body]] = {
     "embedding": embedding, "rms_norm": rms_norm, "linear": linear, "rope": rope,
-    "attention": attention, "last_rows": last_rows, "sample": sample,
+    "attention": attention, "last_rows": last_rows, "mask": mask, "sample": sample,
 }
 # The kernel set is deliberately partial, so LSE's CPU fallback runs end to end: HRX_MISSING names
 # implemented ops to leave out as well (comma-separated; default "silu,gelu").

@@ -1,0 +1,246 @@
+"""Structured output with llguidance: a request's constraint becomes a grammar, each constrained sequence a
+matcher, and each step's allowed tokens a bitmask that the ``mask`` sampling op of every device applies.
+
+  OutputConstraint (lse_core.protocol)   what the request asked: a JSON schema, regex, choice, Lark or GBNF
+  tool_call_grammar                       enforced tool calls, in the call syntax the model's template shows
+  GrammarTokenizer                        the model's vocabulary as llguidance sees it, one per engine
+  with_reasoning                          a grammar that leaves the reasoning block free and constrains the answer
+  Constraint                              one sequence's matcher: from the reply's start, or lazily from a tool
+                                          call's opening marker; and when the reply ends
+  compute_masks                           the step's masks, computed in a worker thread during the forward pass
+
+A lazy matcher sees the reply's tokens once the marker has appeared: bytes that follow the marker inside the
+same token are fed to it too, so its state is the text the client sees.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import llguidance
+import llguidance.numpy as llnp
+import numpy as np
+from llguidance.gbnf_to_lark import any_to_lark
+
+from lse_core.errors import invalid_request
+from lse_core.graph.ir import SamplingBatch
+from lse_core.protocol import OutputConstraint
+from lse_core.tools import ToolCallFormat
+
+# JSON as json.dumps writes it ("a": 1, "b": 2): what models saw most; free whitespace lets a small
+# model pad a reply with newlines until its limit.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+KINDS = ("json_object", "json_schema", "regex", "choice", "lark", "gbnf")
+
+
+def supported() -> dict[str, Any]:
+    """What /v1/models and lse_model_info say of structured output."""
+    return {"supported": True, "engine": f"llguidance {importlib.metadata.version('llguidance')}", "kinds": list(KINDS),
+            "fields": ["response_format", "structured_outputs", "grammar", "json_schema"],
+            "tool_choice": ["auto", "none", "required", "function"]}
+
+
+def constraint_grammar(constraint: OutputConstraint) -> str:
+    """The llguidance grammar of a request's constraint (checked when its matcher is built)."""
+    value = constraint.value
+    match constraint.kind:
+        case "json_schema":
+            try:
+                return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
+            except ValueError as e:
+                raise invalid_request(f"{constraint.param}: {e}", "invalid_value", constraint.param) from None
+        case "regex":
+            return llguidance.LLMatcher.grammar_from_regex(value)
+        case "choice":
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_string(c) for c in value))
+        case _:   # lark or gbnf: llguidance tells them apart and converts GBNF
+            try:
+                return llguidance.LLMatcher.grammar_from_lark(any_to_lark(value))
+            except Exception as e:   # the converter's own errors have several types
+                raise invalid_request(f"{constraint.param}: {e}", "invalid_value", constraint.param) from None
+
+
+def tool_call_grammar(call_format: ToolCallFormat, tools: list[dict[str, Any]], name: str | None, parallel: bool,
+                      special: Callable[[str], int | None], lazy: bool) -> str:
+    """A grammar of the calls the reply must make: to ``name``, or to any offered tool when None; several
+    when ``parallel``. ``lazy``: the grammar of what follows the opening marker (the reply chose to call).
+    ``special(marker)`` is the id of a special token spelled so, which the grammar names as a token."""
+    offered = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    calls = [{"type": "object", "properties": {call_format.name_key: {"const": f["name"]},
+                                               call_format.arguments_key: f.get("parameters") or {"type": "object"}},
+              "required": [call_format.name_key, call_format.arguments_key], "additionalProperties": False}
+             for f in offered]
+    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if call_format.body == "list":
+        body = {"type": "array", "items": one, "minItems": 1} | ({} if parallel else {"maxItems": 1})
+    else:
+        body = one
+    rules = [f"body: %json {json.dumps(body | {'x-guidance': JSON_OPTIONS})}"]
+    if call_format.whole_reply:
+        rules.insert(0, "start: body")
+        return llguidance.LLMatcher.grammar_from_lark("\n".join(rules))
+    opening, closing = _marker(call_format.open_marker, special), _marker(call_format.close_marker, special)
+    block = f'"\\n"? body "\\n"? {closing}' if closing else "body"
+    if lazy:
+        rules.insert(0, f"start: {block}")
+    else:
+        repeat = ' ("\\n" call)*' if parallel and call_format.body == "object" else ""
+        rules[:0] = [f"start: call{repeat}", f"call: {opening} {block}"]
+    return llguidance.LLMatcher.grammar_from_lark("\n".join(rules))
+
+
+def with_reasoning(grammar: str, open_marker: str, close_marker: str, starts_inside: bool,
+                   special: Callable[[str], int | None]) -> str:
+    """``grammar`` after a reasoning block whose text is free: the block the generation prompt opened
+    (``starts_inside``), or one the model may open itself with ``open_marker``."""
+    top = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
+    top["grammars"][0]["name"] = "answer"
+    block = "thought /[ \\n]*/" if starts_inside else f"({_marker(open_marker, special)} thought /[ \\n]*/)?"
+    close = special(close_marker)
+    if close is None:   # text: the free text stops where it appears
+        thought = f"thought[stop={_lark_string(close_marker)}]: /(.|\\n)*/"
+    else:               # a token no text can contain ends the free text
+        thought = f"thought: /(.|\\n)*/ <[{close}]>"
+    return json.dumps({"grammars": [{"name": "start", "lark_grammar": f"start: {block} @answer\n{thought}"},
+                                    *top["grammars"]]})
+
+
+def _marker(marker: str | None, special: Callable[[str], int | None]) -> str:
+    if marker is None:
+        return ""
+    token = special(marker)
+    return f"<[{token}]>" if token is not None else _lark_string(marker)
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)   # a JSON string literal is a Lark one
+
+
+class GrammarTokenizer:
+    """The model's vocabulary for llguidance. Building it reads every token (about a second for a large
+    vocabulary), so lse_open starts it in a thread and the first constrained request waits for it."""
+
+    def __init__(self, tokenizer: Any, logits_width: int) -> None:
+        self.tokenizer = tokenizer
+        self.words = math.ceil(logits_width / 32)     # the mask's int32 words per row, as the mask op reads it
+        self._n_vocab = max(logits_width, tokenizer.vocab_size)
+        self._built: Future = Future()
+        threading.Thread(target=self._build, name="lse-grammar-vocab", daemon=True).start()
+
+    def _build(self) -> None:
+        try:
+            self._built.set_result(llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self._n_vocab,
+                                                          eos_token=list(self.tokenizer.eos_ids)))
+        except Exception as e:   # reported to each request that needs it
+            self._built.set_exception(e)
+
+    @property
+    def lltokenizer(self) -> llguidance.LLTokenizer:
+        return self._built.result()
+
+    def special_id(self, text: str) -> int | None:
+        """The id of the special token spelled ``text``, if the vocabulary has one."""
+        token = self.tokenizer.backend.token_to_id(text)
+        return token if token is not None and self.lltokenizer.is_special_token(token) else None
+
+    def matcher(self, grammar: str, param: str) -> llguidance.LLMatcher:
+        """A matcher for the grammar; a grammar llguidance rejects is a 400 naming ``param``."""
+        matcher = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise invalid_request(f"{param}: {matcher.get_error()}", "invalid_value", param)
+        return matcher
+
+
+class Constraint:
+    """One sequence's grammar, from the reply's first token; or, lazily, from the first ``trigger`` (a tool
+    call's opening marker) on, and after each complete call again when ``repeat``. Otherwise a complete
+    grammar ends the reply."""
+
+    def __init__(self, tokenizer: GrammarTokenizer, matcher: llguidance.LLMatcher, description: str,
+                 trigger: str | None = None, repeat: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.matcher = matcher
+        self.description = description      # what lse_warnings names: "response_format.json_schema.schema"
+        self.trigger = trigger.encode() if trigger else None
+        self.lazy = trigger is not None
+        self.repeat = repeat
+        self.active = not self.lazy
+        self._tail = b""                    # the last bytes of the reply, where a trigger may be starting
+
+    def advance(self, token: int) -> bool:
+        """Take the sampled token; True when the grammar is complete and the reply ends. Raises
+        RuntimeError when the matcher fails (a limit of llguidance's, or a token it did not allow)."""
+        if not self.active:
+            return self._watch(self.tokenizer.tokenizer.token_bytes(token))
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"structured output failed: {self.matcher.get_error()}")
+        return self._after_step()
+
+    @property
+    def complete(self) -> bool:
+        """The reply so far satisfies the constraint (a lazy one: no call is left half written)."""
+        if self.lazy:
+            return not self.active
+        return self.active and self.matcher.is_accepting()
+
+    def _watch(self, piece: bytes) -> bool:
+        seen = self._tail + piece
+        at = seen.find(self.trigger)
+        if at < 0:
+            self._tail = seen[-(len(self.trigger) - 1):] if len(self.trigger) > 1 else b""
+            return False
+        rest = seen[at + len(self.trigger):]
+        self.matcher.reset()
+        self.active, self._tail = True, b""
+        if rest and not self.matcher.consume_tokens(self.tokenizer.lltokenizer.tokenize_bytes(rest)):
+            raise RuntimeError(f"structured output failed: {self.matcher.get_error()}")
+        return self._after_step()
+
+    def _after_step(self) -> bool:
+        if not self.matcher.is_stopped():
+            return False
+        if self.repeat:
+            self.active = False
+            return False
+        return True
+
+
+class _MaskWorker:
+    """One worker thread (llguidance's executor spreads a batch over its own threads) so the masks are
+    computed while the engine thread runs the forward pass."""
+
+    def __init__(self) -> None:
+        self.executor = llguidance.LLExecutor()
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lse-masks")
+
+
+_worker: _MaskWorker | None = None
+_worker_lock = threading.Lock()
+
+
+def compute_masks(batch: SamplingBatch, rows: list[tuple[Constraint, int]]) -> None:
+    """Start computing the masks of ``rows`` (constraint, row) into ``batch``: ``batch.await_mask()``
+    returns when ``batch.token_mask`` is ready."""
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            _worker = _MaskWorker()
+    worker = _worker
+    words = rows[0][0].tokenizer.words
+    n_rows = len(batch.temperature)
+    constrained = np.zeros(n_rows, dtype=bool)
+    constrained[[row for _, row in rows]] = True
+    batch.constrained = constrained
+    full = llnp.allocate_token_bitmask(n_rows, rows[0][0].tokenizer.lltokenizer.vocab_size)
+
+    def fill() -> None:
+        llnp.fill_next_token_bitmask_par(worker.executor, [(c.matcher, row) for c, row in rows], full)
+        batch.token_mask = full if full.shape[1] == words else np.ascontiguousarray(full[:, :words])
+
+    batch.mask_job = worker.thread.submit(fill)
