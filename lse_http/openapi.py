@@ -59,6 +59,16 @@ SAMPLING_FIELDS = {
     "enable_thinking": nullable(BOOLEAN),
     "thinking": nullable({"anyOf": [BOOLEAN, obj(["type"], {"type": {"enum": ["enabled", "disabled"]}})]}),
     "chat_template_kwargs": nullable(obj([], {"enable_thinking": BOOLEAN, "reasoning_effort": STRING})),
+    # structured output: at most one of these four
+    "response_format": nullable(obj(["type"], {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": obj([], {"name": STRING, "schema": {"type": ["object", "boolean"]}, "strict": BOOLEAN})})),
+    "structured_outputs": nullable(obj([], {"json": {"type": ["object", "boolean", "string"]}, "regex": STRING,
+                                            "choice": {"type": "array", "minItems": 1, "items": STRING},
+                                            "grammar": STRING, "json_object": BOOLEAN},
+                                       description="vLLM's: exactly one of json, regex, choice, grammar (Lark)")),
+    "grammar": nullable({"type": "string", "minLength": 1, "description": "llama.cpp's GBNF (or Lark)"}),
+    "json_schema": nullable({"type": ["object", "boolean"], "description": "llama.cpp's: the reply's JSON Schema"}),
 }
 
 MESSAGE = obj(["role"], {
@@ -119,6 +129,7 @@ SCHEMAS: dict[str, Any] = {
                                                                           "maximum": 20}),
                                                 "tools": nullable({"type": "array", "items": {"type": "object"}}),
                                                 "tool_choice": nullable({"anyOf": [STRING, {"type": "object"}]}),
+                                                "parallel_tool_calls": nullable(BOOLEAN),
                                                 **SAMPLING_FIELDS}),
     "CompletionRequest": obj(["prompt"], {
         "prompt": {"anyOf": [{"type": "string", "minLength": 1},
@@ -159,9 +170,13 @@ SCHEMAS: dict[str, Any] = {
         "max_new_tokens": nullable(INTEGER), "max_length": nullable(INTEGER),
         "sources": {"type": "object", "additionalProperties": {
             "enum": ["generation_config.json", "config.json", "server_option", "lse_default"]}}}),
-    "Model": obj(["id", "object", "created", "owned_by", "context_length", "thinking", "generation_defaults"], {
+    "Model": obj(["id", "object", "created", "owned_by", "context_length", "thinking", "generation_defaults",
+                  "structured_outputs"], {
         "id": STRING, "object": {"const": "model"}, "created": INTEGER, "owned_by": STRING,
-        "context_length": COUNT, "thinking": ref("Thinking"), "generation_defaults": ref("GenerationDefaults")}),
+        "context_length": COUNT, "thinking": ref("Thinking"), "generation_defaults": ref("GenerationDefaults"),
+        "structured_outputs": obj(["supported", "engine", "kinds", "fields", "tool_choice"], {
+            "supported": BOOLEAN, "engine": STRING, "kinds": {"type": "array", "items": STRING},
+            "fields": {"type": "array", "items": STRING}, "tool_choice": {"type": "array", "items": STRING}})}),
     "ModelList": obj(["object", "data"], {"object": {"const": "list"}, "data": {"type": "array",
                                                                                "items": ref("Model")}}),
     "Device": obj(["name", "kind", "codegen", "description"], {

@@ -13,22 +13,26 @@ import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jsonschema
 import numpy as np
+import openai
+import pydantic
 import pytest
 from checkpoints import greedy_sampling
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structured_schemas import REAL_WORLD
 from test_api_contract import error, open_engine, reply, streamed, streamed_text
+from test_server import lse_server
 from test_thinking_e2e import QWEN3, scripted_thinking, thinking_checkpoint
 from test_tool_calls import TEMPLATES, tool_checkpoint
 
 from lse_core import structured
 from lse_core.api import LSE, lse_close, lse_model_info, lse_open_or_raise
 from lse_core.config import LSEConfig
+from lse_core.model.default import default_model_path
 from lse_core.model.files import load_hf
 from lse_core.tools import HERMES
 
@@ -368,3 +372,48 @@ def test_a_lazy_call_grammar_starts_at_the_marker_and_ends_with_the_call(tmp_pat
     with pytest.raises(RuntimeError, match="structured output failed"):
         for token in bad:
             constraint.advance(token)
+
+
+# ---- the official openai SDK against lse-server ----
+
+class City(pydantic.BaseModel):
+    name: str
+    country: str
+    population_millions: float = pydantic.Field(ge=0, le=100)
+
+
+class GetWeather(pydantic.BaseModel):
+    """The weather in a city."""
+    city: str
+    unit: Literal["celsius", "fahrenheit"]
+
+
+@pytest.fixture(scope="module")
+def sdk() -> Iterator[tuple[openai.OpenAI, str]]:
+    with lse_server(default_model_path(), "--kv-len", "1024") as server:
+        client = server.openai()
+        yield client, client.models.list().data[0].id
+
+
+def test_openai_sdk_parse_returns_the_pydantic_object(sdk: tuple[openai.OpenAI, str]) -> None:
+    client, model = sdk
+    messages = [{"role": "user", "content": "Describe Paris as JSON: its name, country and population."}]
+    completion = client.chat.completions.parse(model=model, messages=messages, response_format=City,
+                                               temperature=0, max_tokens=200)
+    city = completion.choices[0].message.parsed
+    assert isinstance(city, City) and city.name == "Paris"
+    with client.chat.completions.stream(model=model, messages=messages, response_format=City, temperature=0,
+                                        max_tokens=200) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.parsed == city
+
+
+def test_openai_sdk_enforced_function_tool(sdk: tuple[openai.OpenAI, str]) -> None:
+    client, model = sdk
+    completion = client.chat.completions.parse(
+        model=model, messages=[{"role": "user", "content": "What is the weather in Paris?"}], temperature=0,
+        tools=[openai.pydantic_function_tool(GetWeather)], tool_choice="required", max_tokens=200)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "GetWeather" and isinstance(call.function.parsed_arguments, GetWeather)

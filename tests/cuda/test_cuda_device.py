@@ -169,6 +169,10 @@ def test_sampling_processors(gpu):
                          min_p=[0.05, 0.0, 0.1, 0.2], repetition_penalty=[1.3, 1.0, 1.2, 1.0],
                          presence_penalty=[0.5, 0.0, 0.0, 1.0], recent=recent,
                          uniform=[0.3, 0.9, 0.5, 0.99])
+    step.sampling.constrained = np.array([True, False, True, False])     # structured output's mask
+    bits = np.random.default_rng(3).random((4, -(-VOCAB // 32) * 32)) < 0.5
+    bits[:, 17] = True
+    step.sampling.token_mask = np.packbits(bits, axis=1, bitorder="little").view("<i4").astype(np.int32)
     logits = logits_rows(4)
     for op in ir.SAMPLING_OPS[:-1]:
         got = assert_same(gpu, ir.Node(op, ("logits",), "out"), {}, [logits], step)
