@@ -14,13 +14,13 @@ from typing import Any
 
 from lse_core import embeddings, protocol, structured
 from lse_core.adapters import anthropic, responses
-from lse_core.adapters.common import Translation, core_delta, core_end
+from lse_core.adapters.common import CoreDelta, Translation, core_delta, core_end
 from lse_core.adapters.responses import ResponseStore
 from lse_core.config import LSEConfig
 from lse_core.devices.hookspec import CompileContext, Device, DeviceInfo
 from lse_core.devices.registry import Registry, discover, open_devices, open_interpreter, resolve_pool
 from lse_core.engine.engine import Engine
-from lse_core.engine.sequence import Delta, SeqParams, Sequence
+from lse_core.engine.sequence import Delta, ReasoningBudget, SeqParams, Sequence
 from lse_core.errors import LSEError, StartupError, invalid_request, server_error
 from lse_core.fallback import FallbackLog
 from lse_core.graph.ir import Graph
@@ -34,7 +34,7 @@ from lse_core.stats import Stats
 from lse_core.template.probe import Thinking, probe
 from lse_core.template.reasoning import ReasoningSplitter, reasoning_splitter
 from lse_core.template.render import ChatTemplate
-from lse_core.template.thinking import Level, resolve_level, template_variables
+from lse_core.template.thinking import Level, resolve_level, template_variables, thinking_budget
 from lse_core.tools import BARE_JSON, ToolCallParser, tool_call_format
 
 log = logging.getLogger("lse")
@@ -208,7 +208,7 @@ def _start(lse: LSE, request: Request, body: Any) -> None:
         sampling=resolve_sampling(req, lse.defaults), stop=list(req.stop), eos_ids=tokenizer.eos_ids,
         top_logprobs=req.top_logprobs if req.logprobs else None, splitter=splitter,
         # tool-call markers can be special tokens (Mistral's [TOOL_CALLS]): the parser must see them
-        skip_special_tokens=tool_parser is None,
+        skip_special_tokens=tool_parser is None, reasoning_budget=_reasoning_budget(lse, req, splitter),
         constraint=_constraint(lse, req, tool_parser, splitter))
     reply = _ReplyBuilder(lse, request, req, prompt_text if req.echo else "", tool_parser)
     if params.max_new_tokens == 0:   # max_length leaves no room: an empty reply, no work
@@ -494,8 +494,11 @@ def lse_api_request(lse: LSE, body: Any, on_event: Callable[[Event], None], api:
             for stream_event in events if translation.stream else []:
                 on_event(Event(EVENT_TOKEN, stream_event))
         elif event.kind == EVENT_END:
-            closing, response = translation.finish(*core_end(event.data))
-            on_event(Event(EVENT_END, closing if translation.stream else response))
+            deltas, end = core_end(event.data)
+            # the closing chunks' deltas; an empty one opens the stream of a reply that had nothing to stream
+            events = [e for delta in deltas or [CoreDelta()] for e in translation.feed(delta, end.prompt_tokens)]
+            closing, response = translation.finish(end)
+            on_event(Event(EVENT_END, events + closing if translation.stream else response))
         elif translation.stream and translation.started:
             on_event(Event(EVENT_ERROR, translation.stream_error(event.data, event.status), event.status))
         else:
@@ -549,3 +552,13 @@ def lse_embeddings(lse: LSE, body: Any) -> dict[str, Any]:
     lse.stats.record("embeddings", "ok", total)
     return embeddings.response(req, [embeddings.pool(r, mode, req.dimensions) for r in rows], lse.model_id, total,
                                [protocol.LSEWarning(cause, n).to_json() for cause, n in fallbacks.items()])
+
+
+def _reasoning_budget(lse: LSE, req: protocol.GenerationRequest, splitter: Any) -> ReasoningBudget | None:
+    """The request's thinking_budget, for a reply that may reason (a splitter watches for the block) on a
+    template whose end marker is known; None otherwise, when there is nothing to bound."""
+    tokens = thinking_budget(req.body, lse.thinking.level_ids)
+    if tokens is None or splitter is None or lse.thinking.close_marker is None:
+        return None
+    return ReasoningBudget(tokens, tuple(lse.model.tokenizer.encode(lse.thinking.close_marker,
+                                                                    add_special_tokens=False)))

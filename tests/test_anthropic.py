@@ -14,10 +14,9 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from test_responses import chat, prompt_tokens
+from test_responses import chat, prompt_tokens, scripted_server
 from test_server import API_KEY, CHAT_TEMPLATE, HELLO, Server, lse_server, validate
-from test_thinking_e2e import QWEN3, scripted_thinking, thinking_checkpoint
-from test_tool_calls import CALL, TOOLS, scripted, tool_checkpoint
+from test_tool_calls import CALL, TOOLS
 
 ANTHROPIC_TOOLS = [{"name": f["name"], "description": f["description"], "input_schema": f["parameters"]}
                    for f in (t["function"] for t in TOOLS)]
@@ -216,11 +215,8 @@ def test_the_server_still_serves_after_bad_input(server: Server, model_id: str) 
 
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, dict[str, Any], str]]:
-    base = tool_checkpoint(tmp_path_factory.mktemp("tools"), special_markers=False)
-    script = scripted(base, tmp_path_factory.mktemp("scripted"), range(1))
-    with lse_server(script["model"], "--kv-len", "256", "--pool", "cpu:0") as s:
-        with s.client() as c:
-            yield s, script, c.get("/v1/models").json()["data"][0]["id"]
+    with scripted_server("tools", tmp_path_factory) as (server, script):
+        yield server, script, script["model"].name
 
 
 def test_tool_use_round_trip(tool_server: tuple[Server, dict[str, Any], str]) -> None:
@@ -264,11 +260,8 @@ def test_tool_use_streamed(tool_server: tuple[Server, dict[str, Any], str]) -> N
 
 @pytest.fixture(scope="module")
 def thinking_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, dict[str, Any], str]]:
-    qwen3 = thinking_checkpoint(tmp_path_factory.mktemp("qwen3_thinking"), QWEN3)
-    script = scripted_thinking(qwen3, tmp_path_factory.mktemp("scripted"))
-    with lse_server(script["model"], "--kv-len", "96", "--pool", "cpu:0") as s:
-        with s.client() as c:
-            yield s, script, c.get("/v1/models").json()["data"][0]["id"]
+    with scripted_server("thinking", tmp_path_factory) as (server, script):
+        yield server, script, script["model"].name
 
 
 def test_thinking_blocks(thinking_server: tuple[Server, dict[str, Any], str]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -189,12 +190,25 @@ def test_api_key_is_required(server: Server) -> None:
 
 # ---- function tools ----
 
+@contextmanager
+def scripted_server(kind: str, directories: pytest.TempPathFactory) -> Iterator[tuple[Server, dict[str, Any]]]:
+    """A server on test_tool_calls.py's checkpoint scripted into a call ("tools"), or test_thinking_e2e.py's
+    scripted into reasoning then content ("thinking"), with that script (its model's id is the directory's
+    name)."""
+    if kind == "tools":
+        base = tool_checkpoint(directories.mktemp("tools"), special_markers=False)
+        script, kv_len = scripted(base, directories.mktemp("scripted"), range(1)), 256
+    else:
+        qwen3 = thinking_checkpoint(directories.mktemp("qwen3_thinking"), QWEN3)
+        script, kv_len = scripted_thinking(qwen3, directories.mktemp("scripted")), 96
+    with lse_server(script["model"], "--kv-len", str(kv_len), "--pool", "cpu:0") as s:
+        yield s, script
+
+
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, dict[str, Any]]]:
-    base = tool_checkpoint(tmp_path_factory.mktemp("tools"), special_markers=False)
-    script = scripted(base, tmp_path_factory.mktemp("scripted"), range(1))
-    with lse_server(script["model"], "--kv-len", "256", "--pool", "cpu:0") as s:
-        yield s, script
+    with scripted_server("tools", tmp_path_factory) as served:
+        yield served
 
 
 def test_function_tool_round_trip(tool_server: tuple[Server, dict[str, Any]]) -> None:
@@ -240,10 +254,8 @@ def test_function_call_streamed(tool_server: tuple[Server, dict[str, Any]]) -> N
 
 @pytest.fixture(scope="module")
 def thinking_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, dict[str, Any]]]:
-    qwen3 = thinking_checkpoint(tmp_path_factory.mktemp("qwen3_thinking"), QWEN3)
-    script = scripted_thinking(qwen3, tmp_path_factory.mktemp("scripted"))
-    with lse_server(script["model"], "--kv-len", "96", "--pool", "cpu:0") as s:
-        yield s, script
+    with scripted_server("thinking", tmp_path_factory) as served:
+        yield served
 
 
 def test_reasoning_is_a_reasoning_item(thinking_server: tuple[Server, dict[str, Any]]) -> None:

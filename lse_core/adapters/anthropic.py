@@ -20,7 +20,7 @@ from lse_core.adapters.common import Body, CoreDelta, CoreEnd, Part, checked, pa
 
 # Chat fields as a Messages body names them, for the core's errors.
 PARAMS = {"stop": "stop_sequences", "stop[": "stop_sequences[", "reasoning_effort": "output_config.effort",
-          "response_format": "output_config.format"}
+          "response_format": "output_config.format", "thinking_budget": "thinking.budget_tokens"}
 STOP_REASONS = {"stop_token": "end_turn", "stop_sequence": "stop_sequence", "max_tokens": "max_tokens",
                 "context_full": "model_context_window_exceeded", "cancelled": None}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -170,6 +170,8 @@ def conversation_body(req: CountTokensRequest, body: dict[str, Any]) -> dict[str
         "tool_choice": _tool_choice(req.tool_choice),
         "thinking": {"type": "disabled" if req.thinking.type == "disabled" else "enabled"} if req.thinking else None,
     } | pass_through(body)
+    if req.thinking is not None and req.thinking.type == "enabled" and req.thinking.budget_tokens is not None:
+        chat["thinking_budget"] = req.thinking.budget_tokens     # the core closes the reasoning there
     config = req.output_config
     if config is not None and config.effort is not None:
         chat["reasoning_effort"] = config.effort
@@ -267,11 +269,8 @@ class MessagesTranslation:
         self.open = None
         return [{"type": "content_block_stop", "index": len(self.content) - 1}]
 
-    def finish(self, deltas: list[CoreDelta], end: CoreEnd) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        events = [e for delta in deltas for e in self.feed(delta, end.prompt_tokens)]
-        if not self.started:
-            events += self.feed(CoreDelta(), end.prompt_tokens)
-        events += self._close()
+    def finish(self, end: CoreEnd) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        events = self._close()
         stop_reason = STOP_REASONS[end.stop_reason]
         if stop_reason == "end_turn" and any(block["type"] == "tool_use" for block in self.content):
             stop_reason = "tool_use"

@@ -15,7 +15,7 @@ Model = TypeVar("Model", bound=BaseModel)
 
 # LSE's own request fields (spec/API.md) that pass through every adapter unchanged; the core checks them.
 LSE_FIELDS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
-              "enable_thinking", "reasoning_effort", "thinking_level", "chat_template_kwargs")
+              "enable_thinking", "reasoning_effort", "thinking_level", "chat_template_kwargs", "thinking_budget")
 
 
 class Body(BaseModel):
@@ -122,15 +122,16 @@ def core_end(closing: list[dict[str, Any]]) -> tuple[list[CoreDelta], CoreEnd]:
 
 class Translation(Protocol):
     """One request in flight, in an adapter's shapes: each core delta becomes stream events (the first
-    opens the stream, which may report the prompt's size); the end becomes the closing events and the
-    whole response; an error after the stream has started becomes a stream event."""
+    opens the stream, which may report the prompt's size; every reply feeds one, empty or not); the end
+    becomes the closing events and the whole response; an error after the stream has started becomes a
+    stream event."""
 
     stream: bool
     started: bool     # the first delta has been fed
 
     def feed(self, delta: CoreDelta, prompt_tokens: int) -> list[dict[str, Any]]: ...
 
-    def finish(self, deltas: list[CoreDelta], end: CoreEnd) -> tuple[list[dict[str, Any]], dict[str, Any]]: ...
+    def finish(self, end: CoreEnd) -> tuple[list[dict[str, Any]], dict[str, Any]]: ...
 
     def stream_error(self, body: dict[str, Any], status: int) -> dict[str, Any]:
         """The stream event that carries an error after the stream has started."""

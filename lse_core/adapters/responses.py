@@ -312,11 +312,8 @@ class ResponsesTranslation:
                         arguments=function["arguments"]),
             self._event("response.output_item.done", output_index=index, item=item)]
 
-    def finish(self, deltas: list[CoreDelta], end: CoreEnd) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        events = [e for delta in deltas for e in self.feed(delta)]
-        if not self.started:
-            events += self.feed(CoreDelta())
-        events += self._close()
+    def finish(self, end: CoreEnd) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        events = self._close()
         status = {"stop_token": "completed", "stop_sequence": "completed", "cancelled": "cancelled"}.get(
             end.stop_reason, "incomplete")
         response = self.response(status, end)

@@ -53,7 +53,7 @@ class Runner:
             seq.computed += n
             if seq.computed < len(seq.tokens):      # prefill continues next step
                 continue
-            token = int(out.next_tokens[i])
+            token = seq.forced.pop(0) if seq.forced else int(out.next_tokens[i])
             top = seq.params.top_logprobs
             seq.append(token, token_logprobs(out.logits[i], token, top) if top is not None else None)
 

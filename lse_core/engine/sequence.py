@@ -15,6 +15,8 @@ from lse_core.sampling import NEUTRAL_SAMPLING, SamplingParams
 
 
 class Splitter(Protocol):
+    inside: bool     # the reply is inside the reasoning block
+
     def feed(self, text: str) -> tuple[str, str]: ...
     def finish(self) -> tuple[str, str]: ...
 
@@ -24,6 +26,15 @@ class Constraint(Protocol):
     sampled token and says whether the grammar is complete."""
     active: bool
     def advance(self, token: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class ReasoningBudget:
+    """At most ``tokens`` reply tokens inside the reasoning block; then the engine appends ``close_ids`` (the
+    template's end marker) instead of sampling, and the answer follows."""
+
+    tokens: int
+    close_ids: tuple[int, ...]
 
 
 @dataclass
@@ -39,6 +50,7 @@ class SeqParams:
     top_logprobs: int | None = None            # None: no logprobs; n >= 0: the token's and n top ones
     splitter: Splitter | None = None
     skip_special_tokens: bool = True           # False keeps markers a tool-call parser reads
+    reasoning_budget: ReasoningBudget | None = None
     # embeddings: takes the final hidden rows of each prompt chunk computed (with max_new_tokens 0, no reply)
     on_hidden: Callable[[np.ndarray], None] | None = None
     constraint: Constraint | None = None       # structured output: the grammar the reply follows
@@ -78,6 +90,8 @@ class Sequence:
         self._vocab = vocab
         self._pending = ""         # decoded text not yet released (may be the start of a stop string)
         self._decoded = ""         # everything the incremental detokenizer has returned
+        self.forced: list[int] = []   # tokens the engine appends next instead of sampling (the reasoning's end)
+        self._reasoning_tokens = 0    # reply tokens written inside the reasoning block, until the budget is spent
 
     @property
     def tokens(self) -> list[int]:
@@ -125,10 +139,22 @@ class Sequence:
         if len(self.output) >= self.params.max_new_tokens:
             self._end(delta, "length", self.params.limit_reason)
             return
+        inside = self.params.splitter is not None and self.params.splitter.inside
         keep = len(self._pending) - _stop_prefix_len(self._pending, self.params.stop)
         self._release(delta, self._pending[:keep])
         self._pending = self._pending[keep:]
+        if inside:
+            self._spend_reasoning()
         self.on_delta(self, delta)
+
+    def _spend_reasoning(self) -> None:
+        """Count a token written inside the reasoning block; at the budget, queue the block's end marker."""
+        budget = self.params.reasoning_budget
+        if budget is None or self._reasoning_tokens >= budget.tokens:
+            return
+        self._reasoning_tokens += 1
+        if self._reasoning_tokens == budget.tokens:
+            self.forced = list(budget.close_ids)
 
     def cancel(self) -> None:
         """End at the next step boundary (client gone or request cancelled)."""

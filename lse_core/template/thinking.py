@@ -205,6 +205,18 @@ def _unsupported(param: str, asked: str) -> LSEError:
                            "thinking_unsupported", param, levels=[])
 
 
+def thinking_budget(body: dict[str, Any], levels: list[str]) -> int | None:
+    """The request's thinking_budget (LSE's field; Anthropic's thinking.budget_tokens): the reply tokens its
+    reasoning may take before LSE closes the block with the template's end marker. None when not sent."""
+    value = body.get("thinking_budget")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise invalid_request("thinking_budget must be a positive integer: the reply tokens the reasoning may take",
+                              "invalid_thinking", "thinking_budget", levels=levels)
+    return value
+
+
 def template_variables(level: Level | None, body: dict[str, Any]) -> dict[str, Any]:
     """The variables a chat request passes to the template: the request's chat_template_kwargs, with the
     thinking variables replaced by the level's own."""
