@@ -205,7 +205,8 @@ def _start(lse: LSE, request: Request, body: Any) -> None:
     splitter = reasoning_splitter(lse.thinking, level, prompt_text)
     params = SeqParams(
         prompt=prompt, max_new_tokens=limit.max_new_tokens, limit_reason=limit.stop_reason,
-        sampling=resolve_sampling(req, lse.defaults), stop=list(req.stop), eos_ids=tokenizer.eos_ids,
+        sampling=resolve_sampling(req, lse.defaults), stop=list(req.stop),
+        eos_ids=() if req.ignore_eos else tokenizer.eos_ids,
         top_logprobs=req.top_logprobs if req.logprobs else None, splitter=splitter,
         # tool-call markers can be special tokens (Mistral's [TOOL_CALLS]): the parser must see them
         skip_special_tokens=tool_parser is None, reasoning_budget=_reasoning_budget(lse, req, splitter),

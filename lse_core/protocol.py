@@ -69,6 +69,7 @@ class GenerationRequest:
     repetition_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
+    ignore_eos: bool = False                        # vLLM's and llama.cpp's: end-of-turn tokens do not end it
     logprobs: bool = False
     top_logprobs: int = 0                           # alternatives per token, when logprobs
     echo: bool = False                              # completion: return the prompt before the reply
@@ -195,6 +196,7 @@ def _parse_common(body: dict[str, Any], endpoint: str) -> GenerationRequest:
         repetition_penalty=_optional(body, "repetition_penalty", _positive_number),
         frequency_penalty=_optional(body, "frequency_penalty", _number),
         seed=_optional(body, "seed", _integer, 0),
+        ignore_eos=_optional(body, "ignore_eos", _boolean) or False,
         constraint=_output_constraint(body),
     )
 

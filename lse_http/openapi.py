@@ -53,6 +53,7 @@ SAMPLING_FIELDS = {
     "repetition_penalty": nullable({"type": "number", "exclusiveMinimum": 0}),
     "frequency_penalty": nullable(NUMBER),
     "seed": nullable({"type": "integer", "minimum": 0}),
+    "ignore_eos": nullable({"type": "boolean", "description": "end-of-turn tokens do not end the reply"}),
     "reasoning_effort": nullable(STRING),
     "thinking_level": nullable(STRING),
     "reasoning": nullable(obj([], {"effort": STRING})),

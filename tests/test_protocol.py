@@ -228,6 +228,7 @@ def test_message_errors_name_the_path(body, code, param):
     ({"grammar": ""}, "invalid_value", "grammar"),
     ({"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}}, "invalid_value", "grammar"),
     ({"parallel_tool_calls": "no"}, "invalid_type", "parallel_tool_calls"),
+    ({"ignore_eos": 1}, "invalid_type", "ignore_eos"),
     ({"logit_bias": {"50256": -100}}, "invalid_value", "logit_bias"),
     ({"logit_bias": [1]}, "invalid_type", "logit_bias"),
 ])
