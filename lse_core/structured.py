@@ -72,6 +72,8 @@ def tool_call_grammar(call_format: ToolCallFormat, tools: list[dict[str, Any]], 
     when ``parallel``. ``lazy``: the grammar of what follows the opening marker (the reply chose to call).
     ``special(marker)`` is the id of a special token spelled so, which the grammar names as a token."""
     offered = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    if call_format.body == "xml":
+        return _xml_call_grammar(call_format, offered, parallel, special, lazy)
     calls = [{"type": "object", "properties": {call_format.name_key: {"const": f["name"]},
                                                call_format.arguments_key: f.get("parameters") or {"type": "object"}},
               "required": [call_format.name_key, call_format.arguments_key], "additionalProperties": False}
@@ -93,6 +95,47 @@ def tool_call_grammar(call_format: ToolCallFormat, tools: list[dict[str, Any]], 
         repeat = ' ("\\n" call)*' if parallel and call_format.body == "object" else ""
         rules[:0] = [f"start: call{repeat}", f"call: {opening} {block}"]
     return llguidance.LLMatcher.grammar_from_lark("\n".join(rules))
+
+
+def _xml_call_grammar(call_format: ToolCallFormat, offered: list[dict[str, Any]], parallel: bool,
+                      special: Callable[[str], int | None], lazy: bool) -> str:
+    """Qwen3-Coder's calls: <function=name>, then each parameter in the schema's order as <parameter=key>,
+    its value on lines of its own (a string as it is, anything else as JSON), </parameter>."""
+    newline = _lark_string("\n")
+    rules, functions = [], []
+    for i, function in enumerate(offered):
+        schema = function.get("parameters") or {}
+        required = set(schema.get("required") or [])
+        parts = []
+        for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
+            rules.append(_xml_value(f"value_{i}_{j}", prop if isinstance(prop, dict) else {}))
+            opening = _lark_string(f"<parameter={key}>\n")
+            part = f"{opening} value_{i}_{j} {newline}"
+            parts.append(part if key in required else f"({part})?")
+        opening = _lark_string(f"<function={function['name']}>\n")
+        rules.append(f"function_{i}: {opening} {' '.join(parts)} {_lark_string('</function>')}")
+        functions.append(f"function_{i}")
+    block = f"{newline}? ({' | '.join(functions)}) {newline}? {_marker(call_format.close_marker, special)}"
+    if lazy:
+        starts = [f"start: {block}"]
+    else:
+        starts = [f"start: call ({newline} call)*" if parallel else "start: call",
+                  f"call: {_marker(call_format.open_marker, special)} {block}"]
+    return llguidance.LLMatcher.grammar_from_lark("\n".join([*starts, *rules]))
+
+
+def _xml_value(rule: str, schema: dict[str, Any]) -> str:
+    """A parameter's value and its closing tag: a string as it is (one of its enum's; a line of up to its
+    maxLength characters; or any text up to the tag), anything else as JSON."""
+    closing = _lark_string("\n</parameter>")
+    enum = schema.get("enum")
+    if enum and all(isinstance(v, str) for v in enum):
+        return f"{rule}: ({' | '.join(_lark_string(v) for v in enum)}) {closing}"
+    if schema.get("type") == "string" and isinstance(schema.get("maxLength"), int):
+        return f"{rule}: /[^\\n]{{0,{schema['maxLength']}}}/ {closing}"
+    if schema.get("type") == "string":
+        return f"{rule}[stop={closing}]: /(.|\\n)*/"
+    return f"{rule}: %json {json.dumps(schema | {'x-guidance': JSON_OPTIONS})} {closing}"
 
 
 def with_reasoning(grammar: str, open_marker: str, close_marker: str, starts_inside: bool,

@@ -41,9 +41,10 @@ class ToolCallFormat:
     whitespace and an optional ``lead`` marker. short_ids: the template checks for Mistral's 9-character ids.
 
     How LSE writes a call when it enforces one (lse_core.structured): ``body`` is "object" (a block holds one
-    JSON object, blocks follow each other on new lines), "list" (a block holds a JSON list of them) or None
-    (the calls are written between tokens, which LSE cannot enforce); each object holds the function's name
-    under ``name_key`` and its arguments under ``arguments_key``."""
+    JSON object, blocks follow each other on new lines), "list" (a block holds a JSON list of them), "xml"
+    (Qwen3-Coder's <function=name> blocks) or None (the calls are written between tokens, which LSE cannot
+    enforce); each JSON object holds the function's name under ``name_key``, its arguments under
+    ``arguments_key``."""
 
     open_marker: str
     close_marker: str | None
@@ -56,6 +57,7 @@ class ToolCallFormat:
 
 
 HERMES = ToolCallFormat("<tool_call>", "</tool_call>", body="object")
+HERMES_XML = ToolCallFormat("<tool_call>", "</tool_call>", body="xml")   # Qwen3-Coder, Nemotron 3, Step
 MISTRAL = ToolCallFormat("[TOOL_CALLS]", None, short_ids=True)
 GRANITE = ToolCallFormat("<|tool_call|>", None)
 LFM2 = ToolCallFormat("<|tool_call_start|>", "<|tool_call_end|>")
@@ -70,7 +72,8 @@ BARE_JSON = ToolCallFormat("{", None, whole_reply=True, body="object")
 
 # Text in a template that shows a format, most specific first (Apriel's template names <tool_call> too).
 _SHOWN_BY = (
-    ("<tool_calls>", APRIEL), ("<tool_call>", HERMES), ("[TOOL_CALLS]", MISTRAL), ("<|tool_call|>", GRANITE),
+    ("<tool_calls>", APRIEL), ("<tool_call>\\n<function=", HERMES_XML), ("<tool_call>", HERMES),
+    ("[TOOL_CALLS]", MISTRAL), ("<|tool_call|>", GRANITE),
     ("<|tool_call_start|>", LFM2), ("<|START_ACTION|>", COMMAND_R), ("<｜tool▁calls▁begin｜>", DEEPSEEK),
     ("<|tool_calls_section_begin|>", KIMI), ("<|tool_calls|>", SOLAR),
     ('"parameters": dictionary of argument name and its value', LLAMA3),

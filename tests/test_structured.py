@@ -130,6 +130,17 @@ def test_streamed_json_equals_the_whole_reply(smollm2: LSE) -> None:
     jsonschema.validate(json.loads(streamed_text(chunks)), schema)
 
 
+def test_ignore_eos_runs_to_the_limit(smollm2: LSE) -> None:
+    """What the benchmark uses to decode as many free tokens as constrained ones (vLLM's ignore_eos)."""
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0,
+            "max_tokens": 40}
+    ended = reply(smollm2, body)
+    assert ended["choices"][0]["stop_reason"] == "stop_token" and ended["usage"]["completion_tokens"] < 40
+    ignored = reply(smollm2, body | {"ignore_eos": True})
+    assert ignored["choices"][0]["stop_reason"] == "max_tokens" and ignored["usage"]["completion_tokens"] == 40
+    assert content(ignored).startswith(content(ended))
+
+
 def test_models_say_what_is_supported(smollm2: LSE) -> None:
     entry = lse_model_info(smollm2)["served"]["structured_outputs"]
     assert entry["supported"] and entry["engine"].startswith("llguidance")
@@ -278,16 +289,20 @@ def test_every_reply_to_a_generated_schema_is_valid(tiny_jit: LSE, schema: dict[
 
 FAMILIES = ["Qwen-Qwen2.5-7B-Instruct", "mistralai-Mistral-Nemo-Instruct-2407", "meta-llama-Llama-3.1-8B-Instruct",
             "ibm-granite-granite-3.3-2B-Instruct", "CohereForAI-c4ai-command-r7b-12-2024-tool_use",
-            "unsloth-Apriel-1.5", "LFM2-8B-A1B", "HuggingFaceTB-SmolLM2-135M-Instruct"]
+            "unsloth-Apriel-1.5", "LFM2-8B-A1B", "HuggingFaceTB-SmolLM2-135M-Instruct", "Qwen3-Coder",
+            "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_required_calls_read_back_in_every_family(tiny_checkpoint, family: str) -> None:
     model = tiny_checkpoint("qwen2", chat_template=(TEMPLATES / f"{family}.jinja").read_text())
     with open_engine(model, pool="jit:0", kv_len=8192) as lse:    # a tiny vocabulary spells templates long
+        # a random model would think forever: thinking off where the template can switch it off
+        levels = {level["id"] for level in lse_model_info(lse)["thinking"]["levels"]}
+        no_thinking = {"reasoning_effort": "none"} if "none" in levels else {}
         for seed, parallel in ((1, True), (2, False), (3, True)):
             body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": parallel,
-                    "temperature": 1.0, "seed": seed, "max_tokens": 800}
+                    "temperature": 1.0, "seed": seed, "max_tokens": 800} | no_thinking
             choice = reply(lse, body)["choices"][0]
             assert choice["finish_reason"] == "tool_calls", (family, choice)
             calls = choice["message"]["tool_calls"]
