@@ -505,9 +505,11 @@ def lse_api_request(lse: LSE, body: Any, on_event: Callable[[Event], None], api:
         else:
             on_event(Event(EVENT_ERROR, error_body(event.data, event.status), event.status))
 
-    core.append(lse_request(lse, chat | {"stream": True, "stream_options": {"include_usage": True}},
-                            on_core_event))
-    started.set()
+    try:
+        core.append(lse_request(lse, chat | {"stream": True, "stream_options": {"include_usage": True}},
+                                on_core_event))
+    finally:   # never leave the engine's thread waiting, whatever happened
+        started.set()
     return core[0]
 
 

@@ -13,8 +13,9 @@ from typing import Any
 
 import anthropic
 import httpx
+import jsonschema
 import pytest
-from test_responses import chat, prompt_tokens, scripted_server
+from test_responses import SMALL_SCHEMA, chat, prompt_tokens, scripted_server
 from test_server import API_KEY, CHAT_TEMPLATE, HELLO, Server, lse_server, validate
 from test_tool_calls import CALL, TOOLS
 
@@ -204,6 +205,17 @@ def test_models_in_anthropics_shape(server: Server, http: httpx.Client, model_id
     assert model.created_at.year >= 2024 and model.model_extra["context_length"] == KV_LEN
     assert sdk(server).models.retrieve(model_id).id == model_id
     assert http.get("/v1/models").json()["object"] == "list"    # OpenAI's shape without anthropic-version
+
+
+def test_output_config_format(server: Server, http: httpx.Client, model_id: str) -> None:
+    message = sdk(server).messages.create(model=model_id, max_tokens=60, messages=HELLO, extra_body=GREEDY,
+                                          thinking={"type": "disabled"},
+                                          output_config={"format": {"type": "json_schema", "schema": SMALL_SCHEMA}})
+    expected = chat(http, HELLO, max_tokens=60, reasoning_effort="none", response_format={
+        "type": "json_schema", "json_schema": {"name": "output", "schema": SMALL_SCHEMA}})
+    assert message.content[0].text == expected["choices"][0]["message"]["content"]
+    jsonschema.validate(json.loads(message.content[0].text), SMALL_SCHEMA)
+    assert message.stop_reason == "end_turn"
 
 
 def test_the_server_still_serves_after_bad_input(server: Server, model_id: str) -> None:

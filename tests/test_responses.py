@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from test_server import CHAT_TEMPLATE, HELLO, Server, lse_server, validate
@@ -177,6 +178,24 @@ def test_openapi_describes_the_replies(http: httpx.Client) -> None:
         validate(event, "ResponseStreamEvent", doc)
     validate(events[-1]["response"], "Response", doc)
     validate(http.post("/v1/responses", json={}).json(), "Error", doc)
+
+
+SMALL_SCHEMA = {"type": "object", "required": ["city", "sunny"], "additionalProperties": False,
+                "properties": {"city": {"type": "string", "maxLength": 8}, "sunny": {"type": "boolean"}}}
+
+
+def test_text_format_json_schema(client: openai.OpenAI, http: httpx.Client) -> None:
+    """text.format is the chat's response_format: the same constrained reply, valid against the schema
+    (thinking off: the grammar would let the reply reason first)."""
+    response = client.responses.create(input=QUESTION, max_output_tokens=60, temperature=0,
+                                       reasoning={"effort": "none"}, text={"format": {
+                                           "type": "json_schema", "name": "weather", "schema": SMALL_SCHEMA,
+                                           "strict": True}})
+    expected = chat(http, HELLO, max_tokens=60, reasoning_effort="none", response_format={
+        "type": "json_schema", "json_schema": {"name": "weather", "schema": SMALL_SCHEMA, "strict": True}})
+    assert response.output_text == expected["choices"][0]["message"]["content"]
+    jsonschema.validate(json.loads(response.output_text), SMALL_SCHEMA)
+    assert response.text.format.type == "json_schema" and response.status == "completed"
 
 
 def test_the_server_still_serves_after_bad_input(client: openai.OpenAI) -> None:
