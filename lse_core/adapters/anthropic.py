@@ -164,9 +164,8 @@ def conversation_body(req: CountTokensRequest, body: dict[str, Any]) -> dict[str
     """The chat body of a conversation: what count_tokens tokenizes and a message request runs."""
     chat = {
         "model": req.model, "messages": chat_messages(req),
-        "tools": [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                    "parameters": t.input_schema}} for t in req.tools]
-        if req.tools else None,
+        "tools": [{"type": "function", "function": t.model_dump(include={"name", "description"}, exclude_none=True)
+                   | {"parameters": t.input_schema}} for t in req.tools] if req.tools else None,
         "tool_choice": _tool_choice(req.tool_choice),
         "thinking": {"type": "disabled" if req.thinking.type == "disabled" else "enabled"} if req.thinking else None,
     } | pass_through(body)
