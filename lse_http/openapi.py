@@ -60,6 +60,8 @@ SAMPLING_FIELDS = {
     "enable_thinking": nullable(BOOLEAN),
     "thinking": nullable({"anyOf": [BOOLEAN, obj(["type"], {"type": {"enum": ["enabled", "disabled"]}})]}),
     "chat_template_kwargs": nullable(obj([], {"enable_thinking": BOOLEAN, "reasoning_effort": STRING})),
+    "thinking_budget": nullable({"type": "integer", "minimum": 1,
+                                 "description": "reply tokens of reasoning before LSE closes the block"}),
     # structured output: at most one of these four
     "response_format": nullable(obj(["type"], {
         "type": {"enum": ["text", "json_object", "json_schema"]},
