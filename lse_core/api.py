@@ -10,6 +10,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from lse_core import embeddings, protocol, structured
@@ -35,7 +36,7 @@ from lse_core.template.probe import Thinking, probe
 from lse_core.template.reasoning import ReasoningSplitter, reasoning_splitter
 from lse_core.template.render import ChatTemplate
 from lse_core.template.thinking import Level, resolve_level, template_variables, thinking_budget
-from lse_core.tools import BARE_JSON, ToolCallParser, tool_call_format
+from lse_core.tools import BARE_JSON, ToolCallParser, call_syntax, tool_call_format
 
 log = logging.getLogger("lse")
 
@@ -74,6 +75,12 @@ class LSE:
     startup_warnings: list[str]
     grammars: structured.GrammarTokenizer
     stats: Stats = field(default_factory=Stats)
+
+    @cached_property
+    def call_syntax(self) -> tuple[str, str, str] | None:
+        """How the template writes one call between tokens, read once off its rendering (tools.call_syntax)."""
+        call_format = tool_call_format(self.template.source) if self.template is not None else None
+        return call_syntax(self.template, call_format) if call_format is not None else None
     responses: ResponseStore = field(default_factory=ResponseStore)   # /v1/responses' stored conversations
 
 
@@ -356,7 +363,7 @@ def _constraint(lse: LSE, req: protocol.GenerationRequest, tool_parser: ToolCall
     def constraint(grammar: str, param: str, description: str) -> structured.Constraint:
         if splitter is not None:
             grammar = structured.with_reasoning(grammar, splitter.open_marker, splitter.close_marker, splitter.inside,
-                                                grammars.special_id)
+                                                grammars)
         return structured.Constraint(grammars, grammars.matcher(grammar, param), description)
 
     if req.constraint is not None:
@@ -364,11 +371,13 @@ def _constraint(lse: LSE, req: protocol.GenerationRequest, tool_parser: ToolCall
             raise invalid_request(f"tool_choice and {req.constraint.param.split('.')[0]} both constrain the reply; "
                                   "send one", "invalid_value", "tool_choice")
         return constraint(structured.constraint_grammar(req.constraint), req.constraint.param, req.constraint.param)
-    if tool_parser is None or tool_parser.format.body is None:
+    syntax = None
+    if tool_parser is not None and tool_parser.format.body is None:   # calls between tokens: as the template writes one
+        syntax = lse.call_syntax
+    if tool_parser is None or (tool_parser.format.body is None and syntax is None):
         if forced and req.tools:
-            raise invalid_request("tool_choice cannot be enforced for this chat template: its calls are written "
-                                  "between special tokens (DeepSeek, Kimi, Solar), which LSE does not constrain yet",
-                                  "invalid_value", "tool_choice")
+            raise invalid_request("tool_choice cannot be enforced for this chat template: it does not show how it "
+                                  "writes a call LSE could follow", "invalid_value", "tool_choice")
         return None
     call_format = tool_parser.format
     name = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
@@ -377,12 +386,12 @@ def _constraint(lse: LSE, req: protocol.GenerationRequest, tool_parser: ToolCall
                               "invalid_value", "tool_choice.function.name")
     if forced:
         grammar = structured.tool_call_grammar(call_format, req.tools, name, req.parallel_tool_calls,
-                                               grammars.special_id, lazy=False)
+                                               grammars, lazy=False, syntax=syntax)
         return constraint(grammar, "tools", "tool_choice")
     if call_format.whole_reply:   # the reply is a call or text from its first character: nothing to wait for
         return None
     grammar = structured.tool_call_grammar(call_format, req.tools, None, req.parallel_tool_calls,
-                                           grammars.special_id, lazy=True)
+                                           grammars, lazy=True, syntax=syntax)
     try:
         matcher = grammars.matcher(grammar, "tools")
     except LSEError as e:   # a schema llguidance cannot enforce: the calls stay free, as without a grammar

@@ -19,8 +19,8 @@ import importlib.metadata
 import json
 import math
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import cached_property
 from typing import Any
 
 import llguidance
@@ -67,13 +67,16 @@ def constraint_grammar(constraint: OutputConstraint) -> str:
 
 
 def tool_call_grammar(call_format: ToolCallFormat, tools: list[dict[str, Any]], name: str | None, parallel: bool,
-                      special: Callable[[str], int | None], lazy: bool) -> str:
+                      vocab: GrammarTokenizer, lazy: bool, syntax: tuple[str, str, str] | None = None) -> str:
     """A grammar of the calls the reply must make: to ``name``, or to any offered tool when None; several
     when ``parallel``. ``lazy``: the grammar of what follows the opening marker (the reply chose to call).
-    ``special(marker)`` is the id of a special token spelled so, which the grammar names as a token."""
+    ``syntax``: for calls written between tokens, the text before a call's name, between it and the JSON
+    arguments, and after them (lse_core.tools.call_syntax). Special tokens in markers are named as tokens."""
     offered = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     if call_format.body == "xml":
-        return _xml_call_grammar(call_format, offered, parallel, special, lazy)
+        return _xml_call_grammar(call_format, offered, parallel, vocab, lazy)
+    if syntax is not None:
+        return _tagged_call_grammar(call_format, offered, parallel, vocab, lazy, syntax)
     calls = [{"type": "object", "properties": {call_format.name_key: {"const": f["name"]},
                                                call_format.arguments_key: f.get("parameters") or {"type": "object"}},
               "required": [call_format.name_key, call_format.arguments_key], "additionalProperties": False}
@@ -87,7 +90,8 @@ def tool_call_grammar(call_format: ToolCallFormat, tools: list[dict[str, Any]], 
     if call_format.whole_reply:
         rules.insert(0, "start: body")
         return llguidance.LLMatcher.grammar_from_lark("\n".join(rules))
-    opening, closing = _marker(call_format.open_marker, special), _marker(call_format.close_marker, special)
+    opening = vocab.literal(call_format.open_marker)
+    closing = vocab.literal(call_format.close_marker) if call_format.close_marker else ""
     block = f'"\\n"? body "\\n"? {closing}' if closing else "body"
     if lazy:
         rules.insert(0, f"start: {block}")
@@ -97,8 +101,23 @@ def tool_call_grammar(call_format: ToolCallFormat, tools: list[dict[str, Any]], 
     return llguidance.LLMatcher.grammar_from_lark("\n".join(rules))
 
 
+def _tagged_call_grammar(call_format: ToolCallFormat, offered: list[dict[str, Any]], parallel: bool,
+                         vocab: GrammarTokenizer, lazy: bool, syntax: tuple[str, str, str]) -> str:
+    """Calls between tokens (DeepSeek, Kimi, Solar): each as the template writes one, its name then its JSON
+    arguments between the text ``syntax`` gives, inside the format's markers."""
+    before, middle, after = (vocab.literal(part) for part in syntax)
+    rules = [f"function_{i}: {before} {_lark_string(f['name'])} {middle} "
+             f"%json {json.dumps((f.get('parameters') or {'type': 'object'}) | {'x-guidance': JSON_OPTIONS})} {after}"
+             for i, f in enumerate(offered)]
+    calls = f"({' | '.join(f'function_{i}' for i in range(len(offered)))}){'+' if parallel else ''}"
+    closing = vocab.literal(call_format.close_marker or "")
+    opening = "" if lazy else vocab.literal(call_format.open_marker)
+    start = f"start: {opening} {calls} {closing}"
+    return llguidance.LLMatcher.grammar_from_lark("\n".join([start, *rules]))
+
+
 def _xml_call_grammar(call_format: ToolCallFormat, offered: list[dict[str, Any]], parallel: bool,
-                      special: Callable[[str], int | None], lazy: bool) -> str:
+                      vocab: GrammarTokenizer, lazy: bool) -> str:
     """Qwen3-Coder's calls: <function=name>, then each parameter in the schema's order as <parameter=key>,
     its value on lines of its own (a string as it is, anything else as JSON), </parameter>."""
     newline = _lark_string("\n")
@@ -115,12 +134,13 @@ def _xml_call_grammar(call_format: ToolCallFormat, offered: list[dict[str, Any]]
         opening = _lark_string(f"<function={function['name']}>\n")
         rules.append(f"function_{i}: {opening} {' '.join(parts)} {_lark_string('</function>')}")
         functions.append(f"function_{i}")
-    block = f"{newline}? ({' | '.join(functions)}) {newline}? {_marker(call_format.close_marker, special)}"
+    closing = vocab.literal(call_format.close_marker or "")
+    block = f"{newline}? ({' | '.join(functions)}) {newline}? {closing}"
     if lazy:
         starts = [f"start: {block}"]
     else:
         starts = [f"start: call ({newline} call)*" if parallel else "start: call",
-                  f"call: {_marker(call_format.open_marker, special)} {block}"]
+                  f"call: {vocab.literal(call_format.open_marker)} {block}"]
     return llguidance.LLMatcher.grammar_from_lark("\n".join([*starts, *rules]))
 
 
@@ -139,26 +159,19 @@ def _xml_value(rule: str, schema: dict[str, Any]) -> str:
 
 
 def with_reasoning(grammar: str, open_marker: str, close_marker: str, starts_inside: bool,
-                   special: Callable[[str], int | None]) -> str:
+                   vocab: GrammarTokenizer) -> str:
     """``grammar`` after a reasoning block whose text is free: the block the generation prompt opened
     (``starts_inside``), or one the model may open itself with ``open_marker``."""
     top = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
     top["grammars"][0]["name"] = "answer"
-    block = "thought /[ \\n]*/" if starts_inside else f"({_marker(open_marker, special)} thought /[ \\n]*/)?"
-    close = special(close_marker)
+    block = "thought /[ \\n]*/" if starts_inside else f"({vocab.literal(open_marker)} thought /[ \\n]*/)?"
+    close = vocab.special_id(close_marker)
     if close is None:   # text: the free text stops where it appears
         thought = f"thought[stop={_lark_string(close_marker)}]: /(.|\\n)*/"
     else:               # a token no text can contain ends the free text
         thought = f"thought: /(.|\\n)*/ <[{close}]>"
     return json.dumps({"grammars": [{"name": "start", "lark_grammar": f"start: {block} @answer\n{thought}"},
                                     *top["grammars"]]})
-
-
-def _marker(marker: str | None, special: Callable[[str], int | None]) -> str:
-    if marker is None:
-        return ""
-    token = special(marker)
-    return f"<[{token}]>" if token is not None else _lark_string(marker)
 
 
 def _lark_string(text: str) -> str:
@@ -186,8 +199,29 @@ class GrammarTokenizer:
 
     def special_id(self, text: str) -> int | None:
         """The id of the special token spelled ``text``, if the vocabulary has one."""
-        token = self.tokenizer.backend.token_to_id(text)
-        return token if token is not None and self.lltokenizer.is_special_token(token) else None
+        return self._special_tokens.get(text)
+
+    @cached_property
+    def _special_tokens(self) -> dict[str, int]:
+        """Added tokens llguidance reads as tokens, not text (their bytes are no text), by spelling."""
+        added = self.tokenizer.backend.get_added_tokens_decoder()
+        return {t.content: i for i, t in added.items() if self.lltokenizer.is_special_token(i)}
+
+    def literal(self, text: str) -> str:
+        """``text`` as Lark: its special tokens named as tokens, the rest as strings ("" for none)."""
+        if not text:
+            return '""'
+        specials = sorted(self._special_tokens, key=len, reverse=True)
+        items, plain, at = [], "", 0
+        while at < len(text):
+            token = next((t for t in specials if text.startswith(t, at)), None)
+            if token is None:
+                plain, at = plain + text[at], at + 1
+                continue
+            items += [_lark_string(plain)] if plain else []
+            items.append(f"<[{self._special_tokens[token]}]>")
+            plain, at = "", at + len(token)
+        return " ".join(items + ([_lark_string(plain)] if plain else []))
 
     def matcher(self, grammar: str, param: str) -> llguidance.LLMatcher:
         """A matcher for the grammar; a grammar llguidance rejects is a 400 naming ``param``."""

@@ -33,6 +33,8 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
+from lse_core.protocol import parse_chat
+
 
 @dataclass(frozen=True)
 class ToolCallFormat:
@@ -83,6 +85,35 @@ _SHOWN_BY = (
 def tool_call_format(template_source: str) -> ToolCallFormat | None:
     """The format a chat template teaches its model, or None when it shows none of the known ones."""
     return next((call_format for shown, call_format in _SHOWN_BY if shown in template_source), None)
+
+
+PROBE_NAME, PROBE_ARGUMENTS = "lse_probe_function", {"lse_probe_argument": 1}
+
+
+def call_syntax(template: Any, call_format: ToolCallFormat) -> tuple[str, str, str] | None:
+    """How the template writes one call between its format's markers, for formats whose calls sit between
+    tokens (DeepSeek, Kimi, Solar): the text before the function's name, between the name and the JSON
+    arguments, and after them, read off the template's rendering of an earlier call; None if it shows none."""
+    call = {"id": "call00001", "type": "function",
+            "function": {"name": PROBE_NAME, "arguments": json.dumps(PROBE_ARGUMENTS)}}
+    messages = parse_chat({"messages": [{"role": "user", "content": "?"},
+                                        {"role": "assistant", "content": None, "tool_calls": [call]}]}).messages
+    tools = [{"type": "function", "function": {"name": PROBE_NAME, "parameters": {
+        "type": "object", "properties": {"lse_probe_argument": {"type": "integer"}}}}}]
+    try:
+        text = template.render_raw(messages, tools=tools, add_generation_prompt=False)
+    except Exception:   # a template that cannot render an earlier call shows no syntax
+        return None
+    start = text.rfind(call_format.open_marker)
+    end = text.find(call_format.close_marker or "\0", start)
+    arguments = re.search(r"\{\s*\"lse_probe_argument\"\s*:\s*1\s*\}", text[start:end]) if start >= 0 else None
+    name = text.find(PROBE_NAME, start)
+    if arguments is None or end < 0 or not start <= name < start + arguments.start():
+        return None
+    inner = text[start + len(call_format.open_marker):end]
+    before, after_name = inner.split(PROBE_NAME, 1)
+    middle, after = after_name.split(arguments[0], 1)
+    return before, middle, after
 
 
 def _partial_marker(text: str, marker: str) -> int:

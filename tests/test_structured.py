@@ -290,16 +290,17 @@ def test_every_reply_to_a_generated_schema_is_valid(tiny_jit: LSE, schema: dict[
 FAMILIES = ["Qwen-Qwen2.5-7B-Instruct", "mistralai-Mistral-Nemo-Instruct-2407", "meta-llama-Llama-3.1-8B-Instruct",
             "ibm-granite-granite-3.3-2B-Instruct", "CohereForAI-c4ai-command-r7b-12-2024-tool_use",
             "unsloth-Apriel-1.5", "LFM2-8B-A1B", "HuggingFaceTB-SmolLM2-135M-Instruct", "Qwen3-Coder",
-            "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"]
+            "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", "deepseek-ai-DeepSeek-V3.1", "moonshotai-Kimi-K2",
+            "upstage-Solar-Open-100B"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_required_calls_read_back_in_every_family(tiny_checkpoint, family: str) -> None:
     model = tiny_checkpoint("qwen2", chat_template=(TEMPLATES / f"{family}.jinja").read_text())
     with open_engine(model, pool="jit:0", kv_len=8192) as lse:    # a tiny vocabulary spells templates long
-        # a random model would think forever: thinking off where the template can switch it off
+        # a random model would think forever: thinking off where the template can switch it off, else bounded
         levels = {level["id"] for level in lse_model_info(lse)["thinking"]["levels"]}
-        no_thinking = {"reasoning_effort": "none"} if "none" in levels else {}
+        no_thinking = {"reasoning_effort": "none"} if "none" in levels else {"thinking_budget": 8}
         for seed, parallel in ((1, True), (2, False), (3, True)):
             body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": parallel,
                     "temperature": 1.0, "seed": seed, "max_tokens": 800} | no_thinking
@@ -360,7 +361,7 @@ def test_a_lazy_call_grammar_starts_at_the_marker_and_ends_with_the_call(tmp_pat
     model = load_hf(str(tool_checkpoint(tmp_path, special_markers=False)))
     tokenizer = model.tokenizer
     grammars = structured.GrammarTokenizer(tokenizer, tokenizer.vocab_size)
-    grammar = structured.tool_call_grammar(HERMES, TOOLS, None, True, grammars.special_id, lazy=True)
+    grammar = structured.tool_call_grammar(HERMES, TOOLS, None, True, grammars, lazy=True)
     constraint = structured.Constraint(grammars, grammars.matcher(grammar, "tools"), "a tool call",
                                        trigger=HERMES.open_marker, repeat=True)
 
