@@ -93,6 +93,22 @@ def test_stream_events(client: openai.OpenAI) -> None:
     assert final.model_extra["lse_context"] == whole.model_extra["lse_context"]
 
 
+def test_the_sdks_stream_helper(client: openai.OpenAI, http: httpx.Client) -> None:
+    """responses.stream() folds the events into the final response (it needs response.completed: a stop
+    string ends the reply here)."""
+    text = chat(http, HELLO, max_tokens=12)["choices"][0]["message"]["content"]
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    fields = {"model": model, "input": QUESTION, "max_output_tokens": 12, "temperature": 0,
+              "extra_body": {"stop": [text[4:6]]}}
+    whole = client.responses.create(**fields)
+    assert whole.status == "completed" and whole.model_extra["stop_reason"] == "stop_sequence"
+    with client.responses.stream(**fields) as stream:
+        deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.output_text == "".join(deltas) == whole.output_text == text[:text.index(text[4:6])]
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
 def test_instructions_and_message_items(client: openai.OpenAI, http: httpx.Client) -> None:
     conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
                     {"role": "user", "content": QUESTION}]
