@@ -37,11 +37,12 @@ from lse_core.tools import ToolCallFormat
 # model pad a reply with newlines until its limit.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json_object", "json_schema", "regex", "choice", "lark", "gbnf")
+_ENGINE = f"llguidance {importlib.metadata.version('llguidance')}"   # read once: it reads the package metadata
 
 
 def supported() -> dict[str, Any]:
-    """What /v1/models and lse_model_info say of structured output."""
-    return {"supported": True, "engine": f"llguidance {importlib.metadata.version('llguidance')}", "kinds": list(KINDS),
+    """What /v1/models and lse_model_info say of structured output (a fresh copy each call)."""
+    return {"supported": True, "engine": _ENGINE, "kinds": list(KINDS),
             "fields": ["response_format", "structured_outputs", "grammar", "json_schema"],
             "tool_choice": ["auto", "none", "required", "function"]}
 
