@@ -15,7 +15,7 @@ that file, and old config.json files carry a serialized max_length of 20 that wa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from lse_core.errors import StartupError
@@ -69,6 +69,21 @@ class SamplingParams:
 
 
 NEUTRAL_SAMPLING = SamplingParams(**NEUTRAL, seed=None)   # plain, unseeded sampling
+
+# The spec allows any temperature and presence_penalty and any repetition_penalty > 0, but the kernels
+# compute in float32: 1e-300 is 0 there (a division by zero) and 1e300 is inf (NaN logits). Past these
+# bounds a parameter's effect is saturated (logits are at most a few hundred), so kernels get the bound.
+GREEDY_BELOW = 1e-5   # a temperature under this samples greedily, as in vLLM
+KERNEL_BOUNDS = {"temperature": (GREEDY_BELOW, 1e6), "repetition_penalty": (1e-6, 1e6),
+                 "presence_penalty": (-1e4, 1e4)}
+
+
+def kernel_values(p: SamplingParams) -> SamplingParams:
+    """``p`` with every float parameter in the range the float32 kernels compute safely."""
+    bounded = {name: min(max(getattr(p, name), low), high) for name, (low, high) in KERNEL_BOUNDS.items()}
+    if p.temperature < GREEDY_BELOW:
+        bounded["temperature"] = 0.0
+    return replace(p, **bounded)
 
 
 def generation_defaults(generation_config: dict[str, Any], config: dict[str, Any],

@@ -11,7 +11,7 @@ import numpy as np
 from lse_core.engine.runner import Runner, sampling_arrays
 from lse_core.engine.scheduler import Scheduler
 from lse_core.engine.sequence import Delta, SeqParams, Sequence
-from lse_core.errors import LSEError, server_error
+from lse_core.errors import server_error
 from lse_core.graph.ir import PENALTY_WINDOW, SAMPLING_OP_NEEDED
 from lse_core.graph.plan import Plan
 
@@ -80,15 +80,7 @@ class Engine:
                 batch = self.scheduler.schedule()
             if not batch:
                 continue
-            try:
-                self.runner.run(batch)
-            except Exception as e:   # a failed step fails its sequences; the engine stays up
-                error = e if isinstance(e, LSEError) else server_error(f"engine step failed: {e!r}")
-                if not isinstance(e, LSEError):
-                    log.exception("lse: engine step failed")
-                for seq, _ in batch:
-                    if not seq.finished:
-                        seq.fail(error)
+            self.runner.run(batch)
             self.steps += 1
             with self._cond:
                 for seq, _ in batch:

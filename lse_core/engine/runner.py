@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from concurrent import futures
 
 import numpy as np
 
 from lse_core import structured
 from lse_core.engine.sequence import Sequence
+from lse_core.errors import LSEError, server_error
 from lse_core.graph.ir import SamplingBatch, Step
-from lse_core.graph.plan import Plan
-from lse_core.sampling import SamplingParams
+from lse_core.graph.plan import Plan, StepOutput
+from lse_core.sampling import SamplingParams, kernel_values
+
+log = logging.getLogger("lse")
 
 
 class Runner:
@@ -19,6 +23,27 @@ class Runner:
         self.serial = 0
 
     def run(self, batch: list[tuple[Sequence, int]]) -> None:
+        """Run one step. A sequence whose step fails ends with the error; when a step of several
+        sequences fails, each runs again alone, so only the ones that cause it fail (a re-run rewrites
+        the same K/V rows, and no sequence changes before its forward pass succeeds)."""
+        try:
+            out, starts = self._forward(batch)
+        except Exception as e:
+            if len(batch) == 1:
+                _fail(batch[0][0], e)
+                return
+            log.warning("lse: a step of %d sequences failed (%r); running each alone", len(batch), e)
+            for one in batch:
+                self.run([one])
+            return
+        for i, (seq, n) in enumerate(batch):
+            try:
+                self._advance(seq, n, out, i, slice(starts[i], starts[i + 1]))
+            except Exception as e:
+                _fail(seq, e)
+
+    def _forward(self, batch: list[tuple[Sequence, int]]) -> tuple[StepOutput, np.ndarray]:
+        """The plan's output for the batch, and each sequence's first row in it."""
         seqs = [seq for seq, _ in batch]
         counts = np.array([n for _, n in batch], dtype=np.int32)
         starts = np.zeros(len(batch) + 1, dtype=np.int32)
@@ -27,6 +52,7 @@ class Runner:
                                  for s, n in batch])
         positions = np.concatenate([np.arange(s.computed, s.computed + n, dtype=np.int32) for s, n in batch])
         self.serial += 1
+        rng_states = [s.rng.bit_generator.state for s in seqs]
         sampling = sampling_batch(batch)
         # masks only for constrained sequences sampled this step; computed while the plan runs
         constrained = [(s.params.constraint, i) for i, (s, n) in enumerate(batch)
@@ -41,21 +67,39 @@ class Runner:
         want_hidden = any(s.params.on_hidden is not None for s in seqs)
         try:
             out = self.plan.run(step, want_logits, want_hidden)
+        except Exception:   # a re-run draws the same numbers, so a seed still gives the same reply
+            for seq, state in zip(seqs, rng_states):
+                seq.rng.bit_generator.state = state
+            raise
         finally:   # the matchers are advanced below: their masks must be done, even after a failed step
             if sampling.mask_job is not None:
                 futures.wait([sampling.mask_job])
         for cause, mask in out.fallbacks:
             for seq in (s for s, hit in zip(seqs, mask) if hit):
                 seq.fallbacks[cause] = seq.fallbacks.get(cause, 0) + 1
-        for i, (seq, n) in enumerate(batch):
-            if seq.params.on_hidden is not None:
-                seq.params.on_hidden(out.hidden[starts[i]:starts[i + 1]])
-            seq.computed += n
-            if seq.computed < len(seq.tokens):      # prefill continues next step
-                continue
-            token = seq.forced.pop(0) if seq.forced else int(out.next_tokens[i])
-            top = seq.params.top_logprobs
-            seq.append(token, token_logprobs(out.logits[i], token, top) if top is not None else None)
+        return out, starts
+
+    @staticmethod
+    def _advance(seq: Sequence, n: int, out: StepOutput, i: int, rows: slice) -> None:
+        """Take sequence ``i``'s part of a step's output: ``n`` more tokens computed (its hidden
+        ``rows``), and a sampled token when the prompt is done."""
+        if seq.params.on_hidden is not None:
+            seq.params.on_hidden(out.hidden[rows])
+        seq.computed += n
+        if seq.computed < len(seq.tokens):      # prefill continues next step
+            return
+        token = seq.forced.pop(0) if seq.forced else int(out.next_tokens[i])
+        top = seq.params.top_logprobs
+        seq.append(token, token_logprobs(out.logits[i], token, top) if top is not None else None)
+
+
+def _fail(seq: Sequence, e: Exception) -> None:
+    if seq.finished:
+        return
+    if not isinstance(e, LSEError):
+        log.error("lse: engine step failed", exc_info=e)
+        e = server_error(f"engine step failed: {e!r}")
+    seq.fail(e)
 
 
 def sampling_batch(batch: list[tuple[Sequence, int]]) -> SamplingBatch:
@@ -66,7 +110,8 @@ def sampling_batch(batch: list[tuple[Sequence, int]]) -> SamplingBatch:
                            np.array(uniform, dtype=np.float32))
 
 
-def sampling_arrays(p: list[SamplingParams], recent: np.ndarray, uniform: np.ndarray) -> SamplingBatch:
+def sampling_arrays(requested: list[SamplingParams], recent: np.ndarray, uniform: np.ndarray) -> SamplingBatch:
+    p = [kernel_values(x) for x in requested]
     return SamplingBatch(
         temperature=np.array([x.temperature for x in p], dtype=np.float32),
         top_k=np.array([x.top_k for x in p], dtype=np.int32),
