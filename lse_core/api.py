@@ -26,7 +26,7 @@ from lse_core.errors import LSEError, StartupError, invalid_request, server_erro
 from lse_core.fallback import FallbackLog
 from lse_core.graph.ir import Graph
 from lse_core.graph.plan import Plan
-from lse_core.limits import resolve_limit
+from lse_core.limits import check_prompt_text, prompt_too_long, resolve_limit
 from lse_core.model.arch import build_graph
 from lse_core.model.default import load_model
 from lse_core.model.model import Model
@@ -34,7 +34,7 @@ from lse_core.sampling import GenerationDefaults, generation_defaults, resolve_s
 from lse_core.stats import Stats
 from lse_core.template.probe import Thinking, probe
 from lse_core.template.reasoning import ReasoningSplitter, reasoning_splitter
-from lse_core.template.render import ChatTemplate
+from lse_core.template.render import ChatTemplate, RenderTooLong
 from lse_core.template.thinking import Level, resolve_level, template_variables, thinking_budget
 from lse_core.tools import BARE_JSON, ToolCallParser, call_syntax, tool_call_format
 
@@ -94,6 +94,7 @@ def lse_open_or_raise(config: LSEConfig | dict[str, Any] | None = None) -> LSE:
     for warning in warnings:
         log.warning("lse: %s", warning)
     model = load_model(config.model)
+    _ = model.tokenizer.max_token_bytes   # read once here: every prompt's size is checked against it
     template = None
     if model.chat_template is not None:
         template = ChatTemplate(model.chat_template, model.chat_template_source, model.tokenizer.template_variables())
@@ -165,9 +166,10 @@ class Request:
         self.sequence: Sequence | None = None
         self.done = threading.Event()
 
-    def cancel(self) -> None:
+    def cancel(self, error: LSEError | None = None) -> None:
+        """Cancel the request; with ``error``, it ends with that error instead (its stream's error event)."""
         if self.sequence is not None and not self.done.is_set():
-            self.lse.engine.cancel(self.sequence)
+            self.lse.engine.cancel(self.sequence, error)
 
     def emit(self, event: Event) -> None:
         if event.kind != EVENT_TOKEN:
@@ -306,16 +308,28 @@ class _ReplyBuilder:
 def _prompt(lse: LSE, req: protocol.GenerationRequest, level: Level | None, add_generation_prompt: bool = True,
             add_special: bool | None = None) -> tuple[str, list[int]]:
     """A request's prompt as text and as tokens: a chat's messages rendered by the template (the
-    template writes its own special tokens), or a completion's prompt (the tokenizer adds its own)."""
+    template writes its own special tokens), or a completion's prompt (the tokenizer adds its own).
+    A prompt too long for the context, even in the fewest tokens it could take, is refused (context_full)
+    before it is tokenized, and its render stops as soon as it outgrows that bound: tokenizing megabytes
+    takes seconds, and the tokenizer holds the GIL for much of it."""
     tokenizer = lse.model.tokenizer
+    longest = tokenizer.longest_text(lse.context_length)
     if req.endpoint == "chat":
         if lse.template is None:
             raise invalid_request("this model has no chat template; send a plain prompt to /v1/completions",
                                   "no_chat_template", "messages")
-        text = lse.template.render(req.messages, add_generation_prompt=add_generation_prompt, tools=req.tools,
-                                   **template_variables(level, req.body))
+        # every template writes every message's text: refuse before rendering
+        check_prompt_text(sum(len(m["content"]) for m in req.messages if isinstance(m.get("content"), str)),
+                          longest, lse.context_length, req.prompt_param)
+        try:
+            text = lse.template.render(req.messages, add_generation_prompt=add_generation_prompt, tools=req.tools,
+                                       max_chars=longest, **template_variables(level, req.body))
+        except RenderTooLong:
+            raise prompt_too_long(longest, lse.context_length, req.prompt_param) from None
+        check_prompt_text(len(text.encode()), longest, lse.context_length, req.prompt_param)
         return text, tokenizer.encode(text, add_special_tokens=bool(add_special))
     if isinstance(req.prompt, str):
+        check_prompt_text(len(req.prompt.encode()), longest, lse.context_length, req.prompt_param)
         return req.prompt, tokenizer.encode(req.prompt, add_special_tokens=add_special is not False)
     bad = next((i for i, t in enumerate(req.prompt) if t >= tokenizer.vocab_size), None)
     if bad is not None:
@@ -330,6 +344,8 @@ def lse_tokenize(lse: LSE, body: Any) -> dict[str, Any]:
     tokenize = protocol.parse_tokenize(body)
     tokenizer = lse.model.tokenizer
     if tokenize.request is None:
+        check_prompt_text(len(tokenize.content.encode()), tokenizer.longest_text(lse.context_length),
+                          lse.context_length, "content")
         ids = tokenizer.encode(tokenize.content, add_special_tokens=bool(tokenize.add_special))
     else:
         req = tokenize.request

@@ -21,7 +21,7 @@ from lse_core.adapters.common import Body, checked
 from lse_core.engine.engine import Engine
 from lse_core.engine.sequence import SeqParams, Sequence
 from lse_core.errors import LSEError, invalid_request
-from lse_core.limits import lse_context
+from lse_core.limits import check_prompt_text, lse_context
 from lse_core.model.model import Model
 
 POOLING_MODES = ("mean", "max", "cls", "last")
@@ -87,8 +87,11 @@ def prompts(req: EmbeddingsRequest, model: Model, context_length: int) -> list[l
     single = isinstance(inputs, str) or isinstance(inputs[0], int)
     items = [inputs] if single else inputs
     result = []
+    longest = tokenizer.longest_text(context_length)
     for i, item in enumerate(items):
         param = "input" if single else f"input[{i}]"
+        if isinstance(item, str):
+            check_prompt_text(len(item.encode()), longest, context_length, param)
         ids = tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else list(item)
         if not ids:
             raise invalid_request(f"{param} is empty", "invalid_value", param)

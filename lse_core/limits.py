@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lse_core.errors import invalid_request
+from lse_core.errors import LSEError, invalid_request
 from lse_core.sampling import GenerationDefaults
 
 
@@ -39,6 +39,20 @@ def check_prompt(prompt_tokens: int, context_length: int, param: str) -> None:
             f"the prompt is {prompt_tokens} tokens and the context holds {context_length}; "
             "compact or shorten the conversation",
             "context_full", param, lse_context=lse_context(prompt_tokens, context_length))
+
+
+def check_prompt_text(length: int, longest: int, context_length: int, param: str) -> None:
+    """Refuse (400 context_full) a prompt of ``length`` bytes or characters, before it is tokenized, when
+    even its fewest possible tokens cannot fit: ``longest`` is the most a prompt that fits can have."""
+    if length > longest:
+        raise prompt_too_long(longest, context_length, param)
+
+
+def prompt_too_long(longest: int, context_length: int, param: str) -> LSEError:
+    return invalid_request(
+        f"the prompt is over {longest} bytes, more than any prompt that fits the context of {context_length} "
+        "tokens; compact or shorten the conversation",
+        "context_full", param, lse_context=lse_context(context_length, context_length))
 
 
 def resolve_limit(max_tokens: int | None, operator_cap: int, defaults: GenerationDefaults,

@@ -42,6 +42,16 @@ OPEN_PATHS = ("/health",)         # answered without the API key, so load balanc
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+class RunningRequests(set[api.Request]):
+    """The requests being answered; at shutdown, those still running past the drain time are ended with
+    an error, so each stream closes with the spec's in-stream error (and [DONE]) instead of being cut."""
+
+    def abort_all(self) -> None:
+        error = server_error("the server is shutting down; retry the request", code="shutting_down", status=503)
+        for handle in list(self):
+            handle.cancel(error)
+
+
 class EngineLoader:
     """Opens the engine in a thread; ``lse`` is None until it is ready. A startup failure calls
     ``on_failure`` with the one-line reason (lse-server exits 1 from there)."""
@@ -105,6 +115,7 @@ def create_app(open_engine: Callable[[], api.LSE], *, api_key: str | None = None
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
     app.state.loader = loader
     app.state.max_body_bytes = max_body_bytes
+    app.state.running = RunningRequests()
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
@@ -160,7 +171,15 @@ async def _complete(request: Request, start: StartRequest, typed: bool = False) 
 
     # lse_request renders and tokenizes the prompt: work for a thread, not the event loop
     handle = await run_in_threadpool(start, lse, body, on_event)
-    first = await _event_unless_disconnected(request, events)
+    running: RunningRequests = request.app.state.running
+    running.add(handle)
+    try:
+        first = await _event_unless_disconnected(request, events)
+    except BaseException:
+        running.discard(handle)
+        raise
+    if first is None or first.kind == api.EVENT_ERROR or not stream:
+        running.discard(handle)
     if first is None:
         handle.cancel()
         return Response(status_code=499)   # nobody reads it; the client is gone
@@ -168,7 +187,7 @@ async def _complete(request: Request, start: StartRequest, typed: bool = False) 
         return _json(first.data, first.status)
     if not stream:
         return _json(first.data)
-    return EventStream(first, events, handle, typed)
+    return EventStream(first, events, handle, typed, on_close=running.discard)
 
 
 async def _event_unless_disconnected(request: Request, events: asyncio.Queue[api.Event]) -> api.Event | None:
@@ -193,17 +212,19 @@ class EventStream(StreamingResponse):
     chunk), the request is cancelled; that is a no-op for a request that has already ended."""
 
     def __init__(self, first: api.Event, events: asyncio.Queue[api.Event], handle: api.Request,
-                 typed: bool = False) -> None:
+                 typed: bool = False, on_close: Callable[[api.Request], None] = lambda handle: None) -> None:
         body = _typed_sse(first, events) if typed else _sse(first, events)
         super().__init__(body, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.handle = handle
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self.handle.cancel()
+            self.on_close(self.handle)
 
 
 async def _sse(event: api.Event, events: asyncio.Queue[api.Event]) -> AsyncIterator[bytes]:

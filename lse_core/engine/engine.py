@@ -50,8 +50,9 @@ class Engine:
             self._cond.notify()
         return seq
 
-    def cancel(self, seq: Sequence) -> None:
-        seq.cancel()
+    def cancel(self, seq: Sequence, error: Exception | None = None) -> None:
+        """End the sequence at the next step: cancelled, or with ``error`` as its failure."""
+        seq.cancel(error)
         with self._cond:
             self._cond.notify()
 

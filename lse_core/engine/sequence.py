@@ -77,6 +77,7 @@ class Sequence:
         self.cached = 0            # prompt tokens whose K/V the slot already held
         self.computed = 0          # tokens whose K/V are in the cache
         self.cancelled = False
+        self.abort_error: Exception | None = None
         self.finish_reason: str | None = None   # "stop" or "length"
         self.stop_reason: str | None = None     # the spec's stop_reason; set when the sequence ends
         self.fallbacks: dict[str, int] = {}   # fallback cause -> steps of this sequence it ran in
@@ -156,9 +157,11 @@ class Sequence:
         if self._reasoning_tokens == budget.tokens:
             self.forced = list(budget.close_ids)
 
-    def cancel(self) -> None:
-        """End at the next step boundary (client gone or request cancelled)."""
+    def cancel(self, error: Exception | None = None) -> None:
+        """End at the next step boundary: cancelled (client gone or request cancelled), or failed with
+        ``error`` (the server shutting down)."""
         self.cancelled = True
+        self.abort_error = self.abort_error or error
 
     def fail(self, error: Exception) -> None:
         """End with an error (the API turns it into an error event)."""
@@ -168,7 +171,10 @@ class Sequence:
         self.on_finish(self)
 
     def end_cancelled(self) -> None:
-        self._end(Delta(), None, "cancelled")
+        if self.abort_error is not None:
+            self.fail(self.abort_error)
+        else:
+            self._end(Delta(), None, "cancelled")
 
     def _release(self, delta: Delta, text: str) -> None:
         if self.params.splitter is None:

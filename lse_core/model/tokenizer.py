@@ -41,6 +41,18 @@ class Tokenizer:
         return self._spelling.piece_bytes(self.backend.id_to_token(token_id))
 
     @cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes one token stands for (read once, over the whole vocabulary)."""
+        return max(len(self.token_bytes(i)) for i in range(self.vocab_size))
+
+    def longest_text(self, tokens: int) -> int:
+        """A bound on the UTF-8 bytes of a text that encodes to at most ``tokens`` tokens, so a longer one is
+        refused before it is tokenized. A normalizer can shrink text before it is split (NFKC turns a
+        4-byte character into one byte at most; stripping accents, 3 bytes into 1), hence the factor 4."""
+        shrink = 1 if self.backend.normalizer is None else 4
+        return tokens * self.max_token_bytes * shrink
+
+    @cached_property
     def _added_tokens(self) -> dict[int, str]:
         return {i: t.content for i, t in self.backend.get_added_tokens_decoder().items()}
 

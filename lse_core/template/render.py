@@ -32,6 +32,8 @@ MAX_POWER_BITS = 4096          # `**` results beyond this many bits are refused 
 
 # The deadline of the render running in this thread (or task); None outside a render.
 _deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("lse_template_deadline", default=None)
+# The longest value the render running here may build: MAX_VALUE_LENGTH, or more for a large context.
+_value_limit: contextvars.ContextVar[int] = contextvars.ContextVar("lse_template_value_limit", default=MAX_VALUE_LENGTH)
 
 
 class TemplateLimitError(jinja2.TemplateError):
@@ -44,6 +46,10 @@ class TemplateTimeout(TemplateLimitError):
 
 class TemplateSizeError(TemplateLimitError):
     """The template tried to build a value far larger than any prompt."""
+
+
+class RenderTooLong(Exception):
+    """The rendered prompt passed the ``max_chars`` its render was given: it cannot fit the context."""
 
 
 @contextlib.contextmanager
@@ -63,8 +69,9 @@ def _check_deadline() -> None:
 
 
 def _check_size(value: Any) -> Any:
-    if isinstance(value, str | list | tuple) and len(value) > MAX_VALUE_LENGTH:
-        raise TemplateSizeError(f"the chat template built a value of {len(value)} items (limit {MAX_VALUE_LENGTH})")
+    limit = _value_limit.get()
+    if isinstance(value, str | list | tuple) and len(value) > limit:
+        raise TemplateSizeError(f"the chat template built a value of {len(value)} items (limit {limit})")
     return value
 
 
@@ -157,7 +164,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         if operator == "*":
             sequence, count = (left, right) if isinstance(right, int) else (right, left)
             if isinstance(sequence, str | list | tuple) and isinstance(count, int):
-                if len(sequence) * max(count, 0) > MAX_VALUE_LENGTH:
+                if len(sequence) * max(count, 0) > _value_limit.get():
                     raise TemplateSizeError(f"the chat template repeated a value {count} times")
         if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
             if max(abs(left), 2).bit_length() * right > MAX_POWER_BITS:
@@ -191,6 +198,16 @@ def _environment() -> BoundedSandbox:
     return env
 
 
+def _bounded_output(pieces: Iterator[str], max_chars: int) -> str:
+    out, length = [], 0
+    for piece in pieces:
+        length += len(piece)
+        if length > max_chars:
+            raise RenderTooLong(f"the rendered prompt passed {max_chars} characters")
+        out.append(piece)
+    return "".join(out)
+
+
 def describe_error(error: BaseException) -> str:
     """One line for a template failure: jinja's message, or the Python error's type and text."""
     if isinstance(error, jinja2.TemplateError):
@@ -215,24 +232,34 @@ class ChatTemplate:
             raise StartupError(f"chat template {path or '(inline)'}: line {error.lineno}: {error.message}") from error
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None, **variables: Any) -> str:
+               tools: list[dict[str, Any]] | None = None, max_chars: int | None = None, **variables: Any) -> str:
         """The prompt for `messages`; a template failure (raise_exception, a bad value, the time limit) is an
-        LSEError 400 with code template_error."""
+        LSEError 400 with code template_error. With ``max_chars``, the render stops with RenderTooLong as
+        soon as its output passes that length, so a template that expands a message cannot build a prompt
+        far larger than the context."""
         try:
-            return self.render_raw(messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables)
+            return self.render_raw(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                   max_chars=max_chars, **variables)
+        except RenderTooLong:
+            raise
         except Exception as error:
             raise LSEError(f"chat template error: {describe_error(error)}", code="template_error",
                            param="messages") from error
 
     def render_raw(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                   tools: list[dict[str, Any]] | None = None, **variables: Any) -> str:
+                   tools: list[dict[str, Any]] | None = None, max_chars: int | None = None,
+                   **variables: Any) -> str:
         """`render` without the translation of errors: the template's own exception propagates."""
         context = {**self.special_tokens, **variables, "messages": messages, "tools": tools,
                    "add_generation_prompt": add_generation_prompt}
-        if _deadline.get() is not None:
-            return self._template.render(context)
-        with time_limit():
-            return self._template.render(context)
+        with contextlib.ExitStack() as scope:
+            if _deadline.get() is None:
+                scope.enter_context(time_limit())
+            if max_chars is None:
+                return self._template.render(context)
+            token = _value_limit.set(max(MAX_VALUE_LENGTH, 2 * max_chars))
+            scope.callback(_value_limit.reset, token)
+            return _bounded_output(self._template.generate(context), max_chars)
 
     def startup_error(self, detail: str) -> StartupError:
         """The load-time form of a render failure, naming the template's file."""
