@@ -209,7 +209,6 @@ def test_a_message_gets_a_streamed_reply(browser: webdriver.Chrome, smollm2: Ser
     final = browser.execute_script("return document.querySelector('.message.assistant .content').innerText")
     assert reply.get_attribute("data-state") == "done" and final
     assert len(partial - {"", final}) >= 1, "no part of the reply was shown before it ended"
-    assert all(final.startswith(text) for text in partial if text), (partial, final)
 
     [body] = page.chat_bodies()
     assert body == {"model": status(smollm2)["model"], "stream": True, "stream_options": {"include_usage": True},

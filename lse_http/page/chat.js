@@ -4,7 +4,7 @@
 // Every text that comes from the model or the server is set as textContent (render.js for replies).
 
 import { ApiError, apiKey, getJSON, streamJSON } from "./api.js";
-import { copyText, renderMarkdown } from "./render.js";
+import { copyText, element, renderMarkdown } from "./render.js";
 
 const STORAGE = { conversations: "lse.conversations", current: "lse.current", settings: "lse.settings" };
 // The sampling fields the page offers, and the generation_defaults entry that prefills each.
@@ -31,13 +31,6 @@ const CONTEXT_FULL = 0.9;
 const STATUS_REFRESH_MS = 5000;
 
 const $ = (selector) => document.querySelector(selector);
-
-function element(tag, className, text) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
 
 function button(text, className, label) {
   const node = element("button", className, text);
@@ -194,10 +187,7 @@ function metaLines(message) {
     reason.append(" ", element("code", null, message.stop_reason));
     lines.push(reason);
   }
-  for (const warning of message.lse_warnings ?? []) {
-    const count = warning.count ? ` ×${warning.count}` : "";
-    lines.push(element("p", "warning", `${warning.type}${count}: ${warning.cause}`));
-  }
+  lines.push(...(message.lse_warnings ?? []).map(warningLine));
   return lines;
 }
 
@@ -540,10 +530,13 @@ function renderReplyWarnings() {
   if (!last) return;
   box.append(element("h3", null, "Last reply"));
   if (!warnings.length) box.append(element("p", null, "no lse_warnings"));
-  for (const warning of warnings) {
-    const count = warning.count ? ` ×${warning.count}` : "";
-    box.append(element("p", "warning", `${warning.type}${count}: ${warning.cause}`));
-  }
+  box.append(...warnings.map(warningLine));
+}
+
+// An lse_warnings entry: a CPU fallback's cause and how often this reply ran it, or another warning.
+function warningLine(warning) {
+  const count = warning.count ? ` ×${warning.count}` : "";
+  return element("p", "warning", `${warning.type}${count}: ${warning.cause}`);
 }
 
 // ---- the API key ----
@@ -641,6 +634,9 @@ function wire() {
   $("#messages").addEventListener("click", (event) => {
     const copy = event.target.closest(".copy-code");
     if (copy) copied(copy, copy.closest(".code-block").querySelector("code").textContent);
+  });
+  $("#key-dialog").addEventListener("cancel", () => {
+    showBanner("This server needs an API key: reload the page to enter one.");
   });
   $("#key-form").addEventListener("submit", (event) => {
     event.preventDefault();

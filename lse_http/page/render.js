@@ -11,7 +11,8 @@ const QUOTE = /^\s*>\s?(.*)$/;
 // `code`, **bold** or __bold__, *italic* or _italic_ (not the underscores inside snake_case words)
 const INLINE = /(`+)([^`][\s\S]*?)\1(?!`)|\*\*(?=\S)([\s\S]*?\S)\*\*|__(?=\S)([\s\S]*?\S)__|\*(?=[^\s*])([\s\S]*?[^\s*])\*|(?<![\p{L}\p{N}])_(?=[^\s_])([\s\S]*?[^\s_])_(?![\p{L}\p{N}])/u;
 
-function element(tag, className, text) {
+// A new element with a class and a text, set as text.
+export function element(tag, className, text) {
   const node = document.createElement(tag);
   if (className) node.className = className;
   if (text !== undefined) node.textContent = text;
