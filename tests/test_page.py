@@ -150,6 +150,16 @@ class Page:
         self.driver.save_screenshot(str(ARTIFACTS / f"{name}.png"))
 
 
+def assert_sampling_defaults(page: Page) -> None:
+    """The sampling controls hold the model's generation_defaults, each with its source."""
+    with page.server.client() as http:
+        defaults = http.get("/v1/models").json()["data"][0]["generation_defaults"]
+    for field in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty"):
+        row = page.find(f"#sampling input[name={field}]").find_element(By.XPATH, "..")
+        assert float(row.find_element(By.TAG_NAME, "input").get_property("value")) == defaults[field]
+        assert row.find_element(By.CLASS_NAME, "source").text == f"default from {defaults['sources'][field]}"
+
+
 def status(server: Server) -> dict:
     with server.client() as http:
         return http.get("/v1/lse/status").json()
@@ -188,8 +198,7 @@ def test_the_page_asks_for_the_api_key_and_sends_it(browser: webdriver.Chrome, s
 def test_a_message_gets_a_streamed_reply(browser: webdriver.Chrome, smollm2: Server) -> None:
     page = Page(browser, smollm2).open()
     assert not page.find("#thinking-picker").is_displayed()   # SmolLM2's template has no thinking levels
-    temperature = page.find("#sampling input[name=temperature]").find_element(By.XPATH, "..")
-    assert temperature.find_element(By.CLASS_NAME, "source").text == "default from lse_default"
+    assert_sampling_defaults(page)
     assert page.set_sampling("temperature", "0").find_element(By.CLASS_NAME, "source").text == "set here"
     page.set_sampling("max_tokens", "24")
 
@@ -393,6 +402,8 @@ def test_the_thinking_level_picker_sends_the_level(browser: webdriver.Chrome, ti
 
 def test_markup_in_a_reply_renders_as_text(browser: webdriver.Chrome, tiny_server: Server) -> None:
     page = Page(browser, tiny_server).open()
+    assert_sampling_defaults(page)   # greedy, from the server's --temperature 0
+    assert page.find("#sampling input[name=temperature]").get_property("value") == "0"
     page.send(MARKUP_REQUEST)
     reply = page.last_reply()
     page.screenshot("markup-as-text")
