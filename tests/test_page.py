@@ -145,6 +145,18 @@ class Page:
     def stored_conversations(self) -> list[dict]:
         return json.loads(self.driver.execute_script("return localStorage.getItem('lse.conversations')"))
 
+    def clipboard(self) -> str:
+        """What the page copied (the permission is granted, as a user's click on a prompt would)."""
+        self.driver.execute_cdp_cmd("Browser.grantPermissions", {"origin": self.server.url,
+                                                                 "permissions": ["clipboardReadWrite",
+                                                                                 "clipboardSanitizedWrite"]})
+        return self.driver.execute_async_script("navigator.clipboard.readText().then(arguments[0])")
+
+    def click_copy(self, selector: str) -> str:
+        """Clicks a copy button; what it says then (Copied, or Copy failed)."""
+        self.find(selector).click()
+        return self.wait(lambda d: (said := self.find(selector).text) != "Copy" and said, 10)
+
     def screenshot(self, name: str) -> None:
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         self.driver.save_screenshot(str(ARTIFACTS / f"{name}.png"))
@@ -232,7 +244,11 @@ def test_a_message_gets_a_streamed_reply(browser: webdriver.Chrome, smollm2: Ser
     stop_reason = reply.get_attribute("data-stop-reason")
     assert stop_reason == ("max_tokens" if completion == 24 else "stop_token")
     [conversation] = page.stored_conversations()
-    assert conversation["messages"][1]["content"].strip() and conversation["messages"][1]["stop_reason"] == stop_reason
+    content = conversation["messages"][1]["content"]
+    assert content.strip() and conversation["messages"][1]["stop_reason"] == stop_reason
+    page.clipboard()   # granted before the click
+    assert page.click_copy(".message.assistant .copy-message") == "Copied"
+    assert page.clipboard() == content   # the reply as the model wrote it
 
 
 def test_context_meter_edit_regenerate_and_conversations(browser: webdriver.Chrome, smollm2: Server) -> None:
@@ -345,7 +361,7 @@ def test_the_page_is_readable_at_phone_width(browser: webdriver.Chrome, smollm2:
 def test_replies_render_formatting_as_nodes_not_markup(browser: webdriver.Chrome, smollm2: Server) -> None:
     """The page's renderer on a fixed text, in the browser: its formatting becomes elements, and
     markup anywhere in it (paragraph, bold, code) stays text."""
-    Page(browser, smollm2).open()
+    page = Page(browser, smollm2).open()
     text = ("# Title\n\nSome **bold <b>x</b>** and *soft* with `code <i>` and snake_case_name.\n\n"
             "- one\n- two <script>document.title='pwned'</script>\n\n2. second\n3. third\n\n"
             "```python\nprint('<img src=x onerror=alert(1)>')\n```\n> quoted")
@@ -353,7 +369,9 @@ def test_replies_render_formatting_as_nodes_not_markup(browser: webdriver.Chrome
         const [text, done] = arguments;
         import('./page/render.js').then(({renderMarkdown}) => {
           const box = document.createElement('div');
+          box.className = 'rendered';
           box.append(renderMarkdown(text));
+          document.querySelector('#messages').append(box);
           const all = (s) => [...box.querySelectorAll(s)].map((e) => e.textContent);
           done({tags: [...box.children].map((e) => e.tagName), strong: all('strong'), em: all('em'),
                 code: all(':not(pre) > code'), items: all('li'), pre: all('pre code'), lang: all('.code-language'),
@@ -366,6 +384,9 @@ def test_replies_render_formatting_as_nodes_not_markup(browser: webdriver.Chrome
                      "pre": ["print('<img src=x onerror=alert(1)>')"], "lang": ["python"], "start": 2,
                      "markup": 0, "quote": ["quoted"]}
     assert browser.title == TITLE
+    page.clipboard()
+    assert page.click_copy(".rendered .copy-code") == "Copied"   # a code block's own copy button
+    assert page.clipboard() == "print('<img src=x onerror=alert(1)>')"
 
 
 # ---- the tiny thinking checkpoint ----
