@@ -88,11 +88,12 @@ class Page:
 
     def open(self, key: str | None = API_KEY) -> Page:
         """The page with nothing stored but ``key``, ready to send (with a key it accepts)."""
-        self.driver.get(f"{self.server.url}/")
+        # away from the page first: leaving it saves its conversations (pagehide)
+        self.driver.get(f"{self.server.url}/health")
         self.driver.execute_script("localStorage.clear(); if (arguments[0]) localStorage.setItem('lse.apiKey', "
                                    "arguments[0]);", key)
-        self.requests("")   # the network log of the page before its storage was cleared
-        self.driver.refresh()
+        self.requests("")   # the network log so far
+        self.driver.get(f"{self.server.url}/")
         if key == API_KEY:
             self.wait(lambda d: d.find_element(By.ID, "send").is_enabled())
         return self
@@ -318,6 +319,16 @@ def test_stop_cancels_the_reply_on_the_server(browser: webdriver.Chrome, smollm2
     # the server saw the connection close: the sequence ended as cancelled and its slot is free
     page.wait(lambda d: requests_with_outcome(smollm2, "cancelled") == cancelled + 1)
     page.wait(lambda d: status(smollm2)["engine"]["running"] == 0)
+
+    # leaving the page mid-reply cancels it too, and the reply is kept as stopped
+    page.send("Tell me another long story.")
+    page.wait(lambda d: page.find(".message.assistant:last-child .content").text.strip())
+    browser.refresh()
+    page.wait(lambda d: requests_with_outcome(smollm2, "cancelled") == cancelled + 2)
+    reply = page.last_reply()
+    assert len(page.find_all(".message")) == 4 and reply.get_attribute("data-stop-reason") == "cancelled"
+    [conversation] = page.stored_conversations()
+    assert conversation["messages"][3]["content"].strip()   # the text it had shown is kept
 
 
 def test_the_devices_panel_shows_what_runs_where(browser: webdriver.Chrome, smollm2: Server) -> None:

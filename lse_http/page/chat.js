@@ -280,10 +280,13 @@ async function generate(conversation) {
   state.running = { controller, reply };
   showRunning(true);
   let frame = 0;
+  const box = $("#messages");
   const redraw = () => {
     frame = 0;
+    // follow the reply unless the user scrolled up to read
+    const following = box.scrollTop + box.clientHeight >= box.scrollHeight - 40;
     fill(view, reply);
-    view.scrollIntoView({ block: "end" });
+    if (following) view.scrollIntoView({ block: "end" });
   };
   try {
     await streamJSON("v1/chat/completions", body, (chunk) => {
@@ -615,6 +618,10 @@ function wire() {
     }
   });
   $("#stop").addEventListener("click", stop);
+  window.addEventListener("pagehide", () => {
+    if (state.running) Object.assign(state.running.reply, { state: "done", stop_reason: "cancelled" });
+    save(); // the text streamed so far
+  });
   $("#new-conversation").addEventListener("click", () => {
     stop();
     newConversation();
@@ -646,6 +653,11 @@ function wire() {
   });
 }
 
+// A reply still streaming when the page went away without its pagehide: closing the page closed its
+// connection, so the server cancelled it.
+for (const message of state.conversations.flatMap((c) => c.messages)) {
+  if (message.state === "streaming") Object.assign(message, { state: "done", stop_reason: "cancelled" });
+}
 wire();
 render();
 connect();
