@@ -25,7 +25,7 @@ from lse_core.engine.sequence import Delta, ReasoningBudget, SeqParams, Sequence
 from lse_core.errors import LSEError, StartupError, invalid_request, server_error
 from lse_core.fallback import FallbackLog
 from lse_core.graph.ir import Graph
-from lse_core.graph.plan import Plan
+from lse_core.graph.plan import Placement, Plan
 from lse_core.limits import check_prompt_text, prompt_too_long, resolve_limit
 from lse_core.model.arch import build_graph
 from lse_core.model.default import load_model
@@ -467,12 +467,14 @@ def lse_model_info(lse: LSE) -> dict[str, Any]:
 
 
 def lse_status(lse: LSE) -> dict[str, Any]:
-    """The engine's state: load, KV slots, CPU-fallback counters, request counters."""
+    """The engine's state: devices and where each fused group runs, load, KV slots, CPU-fallback
+    counters, request counters."""
     return {
         "object": "lse.status",
         "model": lse.model_id,
         "context_length": lse.context_length,
         "devices": [_device_json(d.info) for d in lse.devices],
+        "placements": [_placement_json(p) for p in lse.plan.placements],
         "declined": lse.registry.declined(),
         "startup_warnings": lse.startup_warnings,
         "engine": {"steps": lse.engine.steps, **lse.engine.load, "cpu_fallback": lse.fallback.to_json()},
@@ -482,6 +484,14 @@ def lse_status(lse: LSE) -> dict[str, Any]:
 
 def _device_json(info: DeviceInfo) -> dict[str, Any]:
     return {"name": info.name, "kind": info.kind, "codegen": info.codegen, "description": info.description}
+
+
+def _placement_json(placement: Placement) -> dict[str, Any]:
+    """A fused group and the device that runs it (null: refused, CPU fallback disabled)."""
+    group = placement.group
+    return {"group": group.index, "layer": group.layer, "ops": list(group.ops),
+            "device": placement.device.info.name if placement.device else None,
+            "cpu_fallback": placement.fallback_cause}
 
 
 # ---- the other APIs: each an adapter over the chat request ----

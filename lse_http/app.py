@@ -19,6 +19,7 @@ import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -26,8 +27,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import FileResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lse_core import api
@@ -38,7 +40,13 @@ from lse_http.openapi import OPENAPI
 log = logging.getLogger("lse")
 
 MAX_BODY_BYTES = 8 << 20          # request bodies above this get 413 before they are read whole
-OPEN_PATHS = ("/health",)         # answered without the API key, so load balancers can probe
+PAGE_DIR = Path(__file__).parent / "page"   # the chat page: index.html and the files it loads from /page/
+# answered without the API key: /health so load balancers can probe, the page so it can ask for the key
+OPEN_PATHS = ("/health", "/")
+OPEN_PREFIXES = ("/page/",)
+# the page runs only its own files: model text that slipped into the DOM as markup could run nothing
+PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
+            "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -110,6 +118,8 @@ def create_app(open_engine: Callable[[], api.LSE], *, api_key: str | None = None
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
+        Route("/", page, methods=["GET"]),
+        Mount("/page", StaticFiles(directory=PAGE_DIR), name="page"),
     ]
     handlers = {LSEError: _lse_error, HTTPException: _http_error, Exception: _internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
@@ -300,6 +310,10 @@ async def openapi(request: Request) -> Response:
     return _json(OPENAPI)
 
 
+async def page(request: Request) -> Response:
+    return FileResponse(PAGE_DIR / "index.html", headers={"Content-Security-Policy": PAGE_CSP})
+
+
 # ---- tokenizer ----
 
 async def tokenize(request: Request) -> Response:
@@ -400,16 +414,21 @@ async def _internal_error(request: Request, e: Exception) -> Response:
     return _error(request.url.path, server_error(f"internal error: {type(e).__name__}: {e}"))
 
 
+def _open(path: str) -> bool:
+    """Whether the path is answered without the API key."""
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+
 class APIKeyMiddleware:
     """``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key: <key>`` (Anthropic's) on every
-    path but /health; 401 authentication_error otherwise."""
+    path but /health and the page's; 401 authentication_error otherwise."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = {"authorization": f"Bearer {api_key}".encode(), "x-api-key": api_key.encode()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and not _open(scope["path"]):
             headers = Headers(scope=scope)
             name = "authorization" if "authorization" in headers else "x-api-key"
             given = headers.get(name, "").encode()

@@ -194,9 +194,13 @@ SCHEMAS: dict[str, Any] = {
         "plan": obj(["groups", "cpu_fallback_groups"], {"groups": COUNT, "cpu_fallback_groups": {
             "type": "array", "items": STRING}}),
         "served": ref("Model")}),
-    "Status": obj(["object", "model", "context_length", "devices", "engine", "stats"], {
+    "Status": obj(["object", "model", "context_length", "devices", "placements", "engine", "stats"], {
         "object": {"const": "lse.status"}, "model": STRING, "context_length": COUNT,
         "devices": {"type": "array", "items": ref("Device")},
+        "placements": {"type": "array", "items": obj(["group", "layer", "ops", "device", "cpu_fallback"], {
+            "group": COUNT, "layer": INTEGER, "ops": {"type": "array", "items": STRING},
+            "device": nullable(STRING), "cpu_fallback": nullable(STRING)},
+            description="each fused group of the plan and the device that runs it (null: refused)")},
         "declined": {"type": "array", "items": STRING}, "startup_warnings": {"type": "array", "items": STRING},
         "engine": obj(["steps", "running", "waiting", "slots", "free_slots", "cpu_fallback"], {
             "steps": COUNT, "running": COUNT, "waiting": COUNT, "slots": COUNT, "free_slots": COUNT,
@@ -391,6 +395,9 @@ OPENAPI: dict[str, Any] = {
         "/health": {"get": {"summary": "200 when the model is loaded, 503 while it loads", "security": [],
                             "responses": {"200": json_body(ref("Health"), "ready"),
                                           "503": json_body(ref("Health"), "loading")}}},
+        "/": {"get": {"summary": "The chat page (its files under /page/), served without the API key",
+                      "security": [], "responses": {"200": {"description": "the page",
+                                                            "content": {"text/html": {"schema": STRING}}}}}},
         "/tokenize": post("Tokens of text, or of a completion's or chat's prompt", "TokenizeRequest", "Tokenized"),
         "/detokenize": post("Text of token ids", "Tokens", "Content"),
         "/metrics": get("Prometheus metrics", "", 503, media="text/plain"),

@@ -27,7 +27,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float,
                    help="the server's default temperature, for requests that send none (reported as server_option)")
     p.add_argument("--parallel", type=int, default=4, help="sequences decoded together in one batch (default: 4)")
-    p.add_argument("--api-key", help="require Authorization: Bearer <key> on every endpoint but /health")
+    p.add_argument("--api-key", help="require Authorization: Bearer <key> on every endpoint but /health and "
+                   "the chat page at /")
     return p.parse_args(argv)
 
 

@@ -411,6 +411,9 @@ def test_status_model_info_and_health(http: httpx.Client, openapi_doc: dict) -> 
     assert status["engine"]["slots"] == SLOTS
     info = http.get("/v1/lse/model_info").json()
     validate(info, "ModelInfo", openapi_doc)
+    # every fused group of the plan, each on the one pool device
+    assert [p["group"] for p in status["placements"]] == list(range(info["plan"]["groups"]))
+    assert {(p["device"], p["cpu_fallback"]) for p in status["placements"]} == {("cpu:0", None)}
     validate(http.get("/health").json(), "Health", openapi_doc)
     models = http.get("/v1/models").json()
     validate(models, "ModelList", openapi_doc)

@@ -60,16 +60,17 @@ QWEN38_LEVELS = ["none", "xhigh", "medium", "low"]
 USER_MESSAGES = ["What is the capital of France?", "Hello!", "Count to five.", "Write add(a, b).", "Name a capital."]
 
 
-def thinking_checkpoint(directory: Path, template: str) -> Path:
-    """A tiny qwen3 checkpoint whose tokenizer has <think> and </think> as added (not special)
-    tokens at the end of the vocabulary, with ``template`` in chat_template.jinja."""
+def thinking_checkpoint(directory: Path, template: str, extra_tokens: tuple[str, ...] = ()) -> Path:
+    """A tiny qwen3 checkpoint whose tokenizer has <think>, </think> and ``extra_tokens`` as added
+    (not special) tokens at the end of the vocabulary, with ``template`` in chat_template.jinja."""
+    added = ("<think>", "</think>", *extra_tokens)
     base_vocab = tokenizers.Tokenizer.from_str(train_tokenizer()).get_vocab_size()
-    model = write_checkpoint(directory, "qwen3", chat_template=template, vocab_size=base_vocab + 2)
+    model = write_checkpoint(directory, "qwen3", chat_template=template, vocab_size=base_vocab + len(added))
     tokenizer = tokenizers.Tokenizer.from_file(str(model / "tokenizer.json"))
-    tokenizer.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    tokenizer.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in added])
     tokenizer.save(str(model / "tokenizer.json"))
     config = json.loads((model / "tokenizer_config.json").read_text())
-    for marker in ("<think>", "</think>"):
+    for marker in added:
         config["added_tokens_decoder"][str(tokenizer.token_to_id(marker))] = {"content": marker, "special": False}
     (model / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return model
