@@ -8,8 +8,12 @@ stderr, stops uvicorn and exits with status 1.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import logging
+import socket
 import sys
+from collections.abc import Callable, Iterator
 
 import uvicorn
 
@@ -29,6 +33,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parallel", type=int, default=4, help="sequences decoded together in one batch (default: 4)")
     p.add_argument("--api-key", help="require Authorization: Bearer <key> on every endpoint but /health and "
                    "the chat page at /")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds running replies may take to finish after SIGTERM/SIGINT; then each is ended "
+                        "with an error event (default: %(default)s)")
     return p.parse_args(argv)
 
 
@@ -53,14 +60,43 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
 
     app = create_app(lambda: lse_open_or_raise(config), api_key=args.api_key, on_load_failure=startup_failed)
-    # a stream still open at shutdown is cut after 5 s, so Ctrl-C never waits on a long reply
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.shutdown_timeout + DRAIN_GRACE_S),
+                            drain=app.state.running.abort_all, drain_after=args.shutdown_timeout)
     server.run()
     return 1 if failures or not server.started else 0
 
 
+DRAIN_GRACE_S = 5.0   # after the drain time, for the ended streams to send their error event and close
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, stopping as a server behind a load balancer should: on SIGTERM/SIGINT it stops accepting,
+    lets running replies finish for ``drain_after`` seconds, then calls ``drain`` (which ends each remaining
+    one with an error event, so no stream is cut mid-way), and exits 0: the signal asked for this exit."""
+
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], None], drain_after: float) -> None:
+        super().__init__(config)
+        self.drain = drain
+        self.drain_after = drain_after
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.drain_after, self.drain)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()   # uvicorn would re-raise the signal and die by it
+
+
 def _check_options(args: argparse.Namespace) -> str | None:
+    if args.shutdown_timeout < 0:
+        return f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}"
     if args.parallel < 1:
         return f"--parallel must be at least 1, got {args.parallel}"
     if args.max_tokens < 0:
