@@ -26,6 +26,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
@@ -34,6 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lse_core import api
 from lse_core.errors import LSEError, StartupError, invalid_request, server_error
+from lse_http.browser import HostCheckMiddleware
 from lse_http.metrics import prometheus_text
 from lse_http.openapi import OPENAPI
 
@@ -92,8 +94,11 @@ class EngineLoader:
 
 def create_app(open_engine: Callable[[], api.LSE], *, api_key: str | None = None,
                on_load_failure: Callable[[str], None] = lambda reason: None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
-    """The lse-server app. ``open_engine`` runs in a background thread at startup."""
+               max_body_bytes: int = MAX_BODY_BYTES, allowed_hosts: list[str] | None = None,
+               cors_origins: list[str] | None = None) -> Starlette:
+    """The lse-server app. ``open_engine`` runs in a background thread at startup. ``allowed_hosts``: the
+    Host names answered (None: any); ``cors_origins``: the origins whose pages may call the API (none by
+    default, so the browser refuses every other site's page; see lse_http.browser)."""
     loader = EngineLoader(open_engine, on_load_failure)
 
     @contextlib.asynccontextmanager
@@ -126,8 +131,14 @@ def create_app(open_engine: Callable[[], api.LSE], *, api_key: str | None = None
     app.state.loader = loader
     app.state.max_body_bytes = max_body_bytes
     app.state.running = RunningRequests()
+    # the last added runs first: the Host check, then CORS (a preflight carries no API key), then the key
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["*"], max_age=600)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheckMiddleware, hosts=allowed_hosts, render_error=_error)
     return app
 
 
@@ -342,7 +353,9 @@ async def detokenize(request: Request) -> Response:
 # ---- bodies, errors, auth ----
 
 async def _read_json(request: Request) -> Any:
-    """The body as JSON; 413 as soon as it is known to exceed the limit, 400 invalid_json."""
+    """The body as JSON; 415 unless it is declared application/json, 413 as soon as it is known to exceed
+    the limit, 400 invalid_json."""
+    _check_json_media_type(request.headers.get("content-type", ""))
     limit = request.app.state.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -357,6 +370,16 @@ async def _read_json(request: Request) -> Any:
         return json.loads(b"".join(chunks))
     except (ValueError, RecursionError) as e:   # UnicodeDecodeError is a ValueError
         raise invalid_request(f"the request body is not valid JSON: {e}", "invalid_json") from None
+
+
+def _check_json_media_type(content_type: str) -> None:
+    """Only JSON: text/plain, form and untyped bodies are what any web page may send to a local server
+    without a CORS preflight (lse_http.browser)."""
+    media_type = content_type.partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        given = f"Content-Type {media_type!r}" if media_type else "no Content-Type"
+        raise LSEError(f"the request body must be JSON sent with Content-Type: application/json; got {given}",
+                       status=415, code="unsupported_media_type")
 
 
 def _too_large(limit: int) -> LSEError:

@@ -34,7 +34,8 @@ STRING, INTEGER, NUMBER, BOOLEAN = ({"type": t} for t in ("string", "integer", "
 COUNT = {"type": "integer", "minimum": 0}
 STOP_REASON = {"enum": ["stop_token", "stop_sequence", "max_tokens", "context_full", "cancelled"]}
 FINISH_REASON = {"enum": ["stop", "length", "tool_calls", None]}
-ERRORS = {str(status): {"$ref": f"#/components/responses/Error{status}"} for status in (400, 401, 404, 413, 500, 503)}
+ERROR_STATUSES = (400, 401, 403, 404, 413, 415, 500, 503)
+ERRORS = {str(status): {"$ref": f"#/components/responses/Error{status}"} for status in ERROR_STATUSES}
 
 SAMPLING_FIELDS = {
     "model": {"type": "string", "description": "must name the served model when sent"},
@@ -312,7 +313,9 @@ def _merged(*parts: dict[str, Any]) -> dict[str, Any]:
 ERROR_TEXT = {400: "invalid request (invalid_json, invalid_type, invalid_value, missing_field, context_full, "
                    "thinking errors...)",
               401: "missing or wrong API key (authentication_error, invalid_api_key)",
+              403: "bound to loopback, the Host header names another host (host_not_allowed)",
               404: "no such route or model", 413: "request body over 8 MiB",
+              415: "the body is not sent as Content-Type: application/json (unsupported_media_type)",
               500: "server_error: an engine failure, or CPU fallback disabled: <group>",
               503: "the model is loading, or the request queue is full"}
 

@@ -33,10 +33,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parallel", type=int, default=4, help="sequences decoded together in one batch (default: 4)")
     p.add_argument("--api-key", help="require Authorization: Bearer <key> on every endpoint but /health and "
                    "the chat page at /")
+    p.add_argument("--cors-origins", type=_names, default=[],
+                   help="comma-separated origins whose web pages may call the API (e.g. http://localhost:3000, or "
+                        "* for any); default: none, so browsers refuse other sites' pages")
+    p.add_argument("--allowed-hosts", type=_names, default=[],
+                   help="comma-separated Host names to answer besides localhost, 127.0.0.1 and ::1 when bound to "
+                        "loopback (against DNS rebinding), or * for any; bound elsewhere, the only names answered "
+                        "when given (default: none)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds running replies may take to finish after SIGTERM/SIGINT; then each is ended "
                         "with an error event (default: %(default)s)")
     return p.parse_args(argv)
+
+
+def _names(value: str) -> list[str]:
+    return [name.strip() for name in value.split(",") if name.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from lse_core.api import lse_open_or_raise
     from lse_http.app import create_app
+    from lse_http.browser import allowed_hosts
 
     failures: list[str] = []
 
@@ -59,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         failures.append(reason)
         server.should_exit = True
 
-    app = create_app(lambda: lse_open_or_raise(config), api_key=args.api_key, on_load_failure=startup_failed)
+    hosts = None if "*" in args.allowed_hosts else allowed_hosts(args.host, args.allowed_hosts)
+    app = create_app(lambda: lse_open_or_raise(config), api_key=args.api_key, on_load_failure=startup_failed,
+                     allowed_hosts=hosts, cors_origins=args.cors_origins)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.shutdown_timeout + DRAIN_GRACE_S),
                             drain=app.state.running.abort_all, drain_after=args.shutdown_timeout)

@@ -171,7 +171,8 @@ def test_prompt_that_fills_the_context(http: httpx.Client, model_id: str) -> Non
 def test_errors_of_the_server_are_anthropic_shaped(server: Server, http: httpx.Client, model_id: str) -> None:
     anthropic_error(http.post("/v1/messages", json={"model": "claude-x", "max_tokens": 4, "messages": HELLO}), 404,
                     "not_found_error", "model_not_found", "model")
-    anthropic_error(http.post("/v1/messages", content=b"{nope"), 400, "invalid_request_error", "invalid_json", None)
+    anthropic_error(http.post("/v1/messages", content=b"{nope", headers={"content-type": "application/json"}), 400,
+                    "invalid_request_error", "invalid_json", None)
     anthropic_error(http.get("/v1/messages"), 405, "api_error", "method_not_allowed", None)
     anthropic_error(http.post("/v1/messages/count_tokens", json={"model": model_id}), 400, "invalid_request_error",
                     "missing_field", "messages")

@@ -320,7 +320,7 @@ def test_huge_body_is_refused_before_it_is_read(server: Server) -> None:
             yield b"x" * (1 << 20)
         yield b'"}'
     with server.client() as client:
-        response = client.post("/v1/completions", content=chunked())
+        response = client.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
     assert_error(response, 413, "invalid_request_error", "body_too_large")
 
 
