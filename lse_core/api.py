@@ -171,6 +171,11 @@ class Request:
         if self.sequence is not None and not self.done.is_set():
             self.lse.engine.cancel(self.sequence, error)
 
+    def pause(self, paused: bool = True) -> None:
+        """Stop decoding (its consumer is behind) or, with ``paused=False``, go on; it keeps its KV slot."""
+        if self.sequence is not None and not self.done.is_set():
+            self.lse.engine.pause(self.sequence, paused)
+
     def emit(self, event: Event) -> None:
         if event.kind != EVENT_TOKEN:
             self.done.set()

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
@@ -50,6 +51,9 @@ OPEN_PREFIXES = ("/page/",)
 PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
             "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 SSE_DONE = b"data: [DONE]\n\n"
+STALL_TIMEOUT_S = 30.0    # a stream whose client reads nothing for this long is ended
+STREAM_HIGH_WATER = 64    # a stream's events waiting to be sent before its sequence is paused...
+STREAM_LOW_WATER = 8      # ...and resumed
 
 
 class RunningRequests(set[api.Request]):
@@ -95,10 +99,11 @@ class EngineLoader:
 def create_app(open_engine: Callable[[], api.LSE], *, api_key: str | None = None,
                on_load_failure: Callable[[str], None] = lambda reason: None,
                max_body_bytes: int = MAX_BODY_BYTES, allowed_hosts: list[str] | None = None,
-               cors_origins: list[str] | None = None) -> Starlette:
+               cors_origins: list[str] | None = None, stall_timeout: float = STALL_TIMEOUT_S) -> Starlette:
     """The lse-server app. ``open_engine`` runs in a background thread at startup. ``allowed_hosts``: the
     Host names answered (None: any); ``cors_origins``: the origins whose pages may call the API (none by
-    default, so the browser refuses every other site's page; see lse_http.browser)."""
+    default, so the browser refuses every other site's page; see lse_http.browser); ``stall_timeout``: how
+    long a stream may stay paused because its client reads nothing (StreamEvents)."""
     loader = EngineLoader(open_engine, on_load_failure)
 
     @contextlib.asynccontextmanager
@@ -131,6 +136,7 @@ def create_app(open_engine: Callable[[], api.LSE], *, api_key: str | None = None
     app.state.loader = loader
     app.state.max_body_bytes = max_body_bytes
     app.state.running = RunningRequests()
+    app.state.stall_timeout = stall_timeout
     # the last added runs first: the Host check, then CORS (a preflight carries no API key), then the key
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -184,14 +190,15 @@ async def _complete(request: Request, start: StartRequest, typed: bool = False) 
     lse = _engine(request)
     stream = isinstance(body, dict) and body.get("stream") is True
     loop = asyncio.get_running_loop()
-    events: asyncio.Queue[api.Event] = asyncio.Queue()
+    events = StreamEvents(request.app.state.stall_timeout)
 
     def on_event(event: api.Event) -> None:   # called on the engine's thread
         if stream or event.kind != api.EVENT_TOKEN:
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            loop.call_soon_threadsafe(events.put, event)
 
     # lse_request renders and tokenizes the prompt: work for a thread, not the event loop
     handle = await run_in_threadpool(start, lse, body, on_event)
+    events.handle = handle
     running: RunningRequests = request.app.state.running
     running.add(handle)
     try:
@@ -211,7 +218,42 @@ async def _complete(request: Request, start: StartRequest, typed: bool = False) 
     return EventStream(first, events, handle, typed, on_close=running.discard)
 
 
-async def _event_unless_disconnected(request: Request, events: asyncio.Queue[api.Event]) -> api.Event | None:
+class StreamEvents:
+    """A request's events on their way to its client, bounded. When the client stops reading, sends wait
+    (the socket's buffers are full) and events queue up: past STREAM_HIGH_WATER the sequence is paused
+    (it stops decoding and keeps its KV slot), and it resumes once the client has read them down to
+    STREAM_LOW_WATER. A pause that lasts ``stall_timeout`` seconds ends the request and ``on_stall`` (the
+    response's abort), so a client that never reads holds neither a slot nor more memory. Used on the loop."""
+
+    def __init__(self, stall_timeout: float) -> None:
+        self.queue: asyncio.Queue[api.Event] = asyncio.Queue()
+        self.stall_timeout = stall_timeout
+        self.handle: api.Request | None = None
+        self.on_stall: Callable[[], None] = lambda: None
+        self._stall_timer: asyncio.TimerHandle | None = None
+
+    def put(self, event: api.Event) -> None:
+        self.queue.put_nowait(event)
+        if self.handle is not None and self._stall_timer is None and self.queue.qsize() >= STREAM_HIGH_WATER:
+            self.handle.pause()
+            self._stall_timer = asyncio.get_running_loop().call_later(self.stall_timeout, self._stalled)
+
+    async def get(self) -> api.Event:
+        event = await self.queue.get()
+        if self._stall_timer is not None and self.queue.qsize() <= STREAM_LOW_WATER:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+            self.handle.pause(False)
+        return event
+
+    def _stalled(self) -> None:
+        log.warning("lse: a stream's client read nothing for %.0f s; ending its request", self.stall_timeout)
+        self.handle.cancel(LSEError(f"the client read nothing for {self.stall_timeout:g} s", status=408,
+                                    code="client_stalled"))
+        self.on_stall()
+
+
+async def _event_unless_disconnected(request: Request, events: StreamEvents) -> api.Event | None:
     """The next event, or None when the client disconnects first."""
     next_event = asyncio.ensure_future(events.get())
     disconnect = asyncio.ensure_future(_disconnected(request.receive))
@@ -232,23 +274,27 @@ class EventStream(StreamingResponse):
     starlette cancelling it within a millisecond of the client closing, even before the first
     chunk), the request is cancelled; that is a no-op for a request that has already ended."""
 
-    def __init__(self, first: api.Event, events: asyncio.Queue[api.Event], handle: api.Request,
+    def __init__(self, first: api.Event, events: StreamEvents, handle: api.Request,
                  typed: bool = False, on_close: Callable[[api.Request], None] = lambda handle: None) -> None:
         body = _typed_sse(first, events) if typed else _sse(first, events)
         super().__init__(body, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.handle = handle
+        self.events = events
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            with anyio.CancelScope() as response:
+                # a stalled client: stop waiting on its socket (the server then closes the connection)
+                self.events.on_stall = response.cancel
+                await super().__call__(scope, receive, send)
         finally:
             self.handle.cancel()
             self.on_close(self.handle)
 
 
-async def _sse(event: api.Event, events: asyncio.Queue[api.Event]) -> AsyncIterator[bytes]:
+async def _sse(event: api.Event, events: StreamEvents) -> AsyncIterator[bytes]:
     """``data: {...}`` per chunk, then ``data: [DONE]``; an error after the first event is sent in
     the stream, in the same shape as an error response."""
     while event.kind == api.EVENT_TOKEN:
@@ -263,7 +309,7 @@ def _sse_event(data: Any) -> bytes:
     return b"data: " + _dumps(data) + b"\n\n"
 
 
-async def _typed_sse(event: api.Event, events: asyncio.Queue[api.Event]) -> AsyncIterator[bytes]:
+async def _typed_sse(event: api.Event, events: StreamEvents) -> AsyncIterator[bytes]:
     """Each stream event, then the closing ones (or an error event); these APIs send no [DONE]."""
     while event.kind == api.EVENT_TOKEN:
         yield _typed_sse_event(event.data)

@@ -32,6 +32,8 @@ def prometheus_text(stats: dict[str, Any], load: dict[str, int], fallback: dict[
            [("_sum", {}, ttft["sum"]), ("_count", {}, ttft["count"])])
     metric("lse_requests_running", "gauge", "Sequences holding a KV slot.", [("", {}, load["running"])])
     metric("lse_requests_waiting", "gauge", "Requests queued for a KV slot.", [("", {}, load["waiting"])])
+    metric("lse_requests_paused", "gauge", "Sequences holding a KV slot whose stream's client is not reading.",
+           [("", {}, load["paused"])])
     metric("lse_kv_slots", "gauge", "KV cache slots (sequences per batch).", [("", {}, load["slots"])])
     metric("lse_kv_slots_free", "gauge", "KV cache slots not held by a sequence.", [("", {}, load["free_slots"])])
     metric("lse_cpu_fallback_allowed", "gauge", "1 when operations without a device kernel may run on the CPU.",

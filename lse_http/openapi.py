@@ -203,8 +203,8 @@ SCHEMAS: dict[str, Any] = {
             "device": nullable(STRING), "cpu_fallback": nullable(STRING)},
             description="each fused group of the plan and the device that runs it (null: refused)")},
         "declined": {"type": "array", "items": STRING}, "startup_warnings": {"type": "array", "items": STRING},
-        "engine": obj(["steps", "running", "waiting", "slots", "free_slots", "cpu_fallback"], {
-            "steps": COUNT, "running": COUNT, "waiting": COUNT, "slots": COUNT, "free_slots": COUNT,
+        "engine": obj(["steps", "running", "waiting", "paused", "slots", "free_slots", "cpu_fallback"], {
+            "steps": COUNT, "running": COUNT, "waiting": COUNT, "paused": COUNT, "slots": COUNT, "free_slots": COUNT,
             "cpu_fallback": ref("CPUFallback")}),
         "stats": obj(["requests", "prompt_tokens", "cached_tokens", "completion_tokens"], {
             "uptime_s": NUMBER,

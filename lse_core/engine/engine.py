@@ -56,6 +56,12 @@ class Engine:
         with self._cond:
             self._cond.notify()
 
+    def pause(self, seq: Sequence, paused: bool = True) -> None:
+        """Stop (or, with ``paused=False``, resume) decoding the sequence; it keeps its KV slot."""
+        with self._cond:
+            seq.paused = paused
+            self._cond.notify()
+
     def close(self) -> None:
         with self._cond:
             self._stopping = True
@@ -68,6 +74,7 @@ class Engine:
     def load(self) -> dict[str, int]:
         with self._cond:
             return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                    "paused": sum(s.paused for s in self.scheduler.running),
                     "slots": self.scheduler.slots.n_free + len(self.scheduler.running),
                     "free_slots": self.scheduler.slots.n_free}
 

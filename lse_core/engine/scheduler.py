@@ -21,7 +21,9 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a step would do something: a sequence to decode, admit or end (a paused one waits)."""
+        return (any(s.cancelled for s in self.waiting) or bool(self.waiting and self.slots.n_free)
+                or any(s.cancelled or not s.paused for s in self.running))
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.max_queue:
@@ -49,6 +51,8 @@ class Scheduler:
         batch = []
         budget = self.prefill_chunk
         for seq in self.running:
+            if seq.paused:   # its client is not reading: it keeps its slot and its place, and computes nothing
+                continue
             remaining = len(seq.tokens) - seq.computed
             if remaining == 1:
                 batch.append((seq, 1))

@@ -77,6 +77,7 @@ class Sequence:
         self.cached = 0            # prompt tokens whose K/V the slot already held
         self.computed = 0          # tokens whose K/V are in the cache
         self.cancelled = False
+        self.paused = False        # its consumer is behind: the scheduler skips it until resumed
         self.abort_error: Exception | None = None
         self.finish_reason: str | None = None   # "stop" or "length"
         self.stop_reason: str | None = None     # the spec's stop_reason; set when the sequence ends
