@@ -356,6 +356,7 @@ def lse_tokenize(lse: LSE, body: Any) -> dict[str, Any]:
         req = tokenize.request
         _check_model(lse, req.model)
         level = resolve_level(lse.thinking, req.body, req.endpoint)
+        thinking_budget(req.body, lse.thinking.level_ids)   # refused here as lse_request would refuse it
         ids = _prompt(lse, req, level, tokenize.add_generation_prompt, tokenize.add_special)[1]
     pieces = [tokenizer.token_bytes(i) for i in ids] if tokenize.with_pieces else None
     return protocol.tokenized(ids, pieces, lse.context_length)

@@ -12,12 +12,12 @@ import base64
 import json
 import queue
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import Field
 
-from lse_core.adapters.common import Body, checked
+from lse_core.adapters.common import AS_INTEGER, WIDTH_MARK, Body, NonEmpty, Text, TokenId, checked
 from lse_core.engine.engine import Engine
 from lse_core.engine.sequence import SeqParams, Sequence
 from lse_core.errors import LSEError, invalid_request
@@ -35,9 +35,9 @@ class EmbeddingsRequest(Body):
     """A /v1/embeddings body: one input or several, as text or token ids."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: Text | NonEmpty[list[Text]] | NonEmpty[list[TokenId]] | NonEmpty[list[NonEmpty[list[TokenId]]]]
     encoding_format: Literal["float", "base64"] | None = None
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: Annotated[int, Field(ge=1, json_schema_extra={WIDTH_MARK: True}), AS_INTEGER] | None = None
     user: str | None = None
 
 

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lse_core.adapters.common import integral
 from lse_core.errors import LSEError, invalid_request
 from lse_core.limits import lse_context
 from lse_core.sampling import GenerationDefaults
@@ -408,6 +409,8 @@ def _tool_choice(value: Any, path: str) -> str | dict[str, Any]:
                                   f"got {value!r:.40}", "invalid_value", path)
         return value
     choice = _object(value, path)
+    if _optional(choice, "type", _string, path=path) not in (None, "function"):
+        raise invalid_request(f"{path}.type must be function", "invalid_value", f"{path}.type")
     _required(_required(choice, "function", _object, path), "name", _string, f"{path}.function")
     return choice
 
@@ -498,6 +501,7 @@ def _array(value: Any, path: str) -> list[Any]:
 
 
 def _integer(value: Any, path: str, minimum: int = -INT64_MAX - 1, maximum: int = INT64_MAX) -> int:
+    value = integral(value)   # JSON has one number type: 2.0 is the integer 2
     if isinstance(value, bool) or not isinstance(value, int):
         raise _type_error(path, "an integer", value)
     if not minimum <= value <= maximum:

@@ -75,11 +75,12 @@ NEUTRAL_SAMPLING = SamplingParams(**NEUTRAL, seed=None)   # plain, unseeded samp
 # bounds a parameter's effect is saturated (logits are at most a few hundred), so kernels get the bound.
 GREEDY_BELOW = 1e-5   # a temperature under this samples greedily, as in vLLM
 KERNEL_BOUNDS = {"temperature": (GREEDY_BELOW, 1e6), "repetition_penalty": (1e-6, 1e6),
-                 "presence_penalty": (-1e4, 1e4)}
+                 "presence_penalty": (-1e4, 1e4),
+                 "top_k": (-1, 2**31 - 1)}   # the kernels' int32; any k past the vocabulary keeps every token
 
 
 def kernel_values(p: SamplingParams) -> SamplingParams:
-    """``p`` with every float parameter in the range the float32 kernels compute safely."""
+    """``p`` with every parameter in the range the float32 (and int32) kernels compute safely."""
     bounded = {name: min(max(getattr(p, name), low), high) for name, (low, high) in KERNEL_BOUNDS.items()}
     if p.temperature < GREEDY_BELOW:
         bounded["temperature"] = 0.0

@@ -35,10 +35,11 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lse_core import api
+from lse_core.adapters.common import integral
 from lse_core.errors import LSEError, StartupError, invalid_request, server_error
 from lse_http.browser import HostCheckMiddleware
 from lse_http.metrics import prometheus_text
-from lse_http.openapi import OPENAPI
+from lse_http.openapi import OPENAPI, served_document
 
 log = logging.getLogger("lse")
 
@@ -364,7 +365,9 @@ async def metrics(request: Request) -> Response:
 
 
 async def openapi(request: Request) -> Response:
-    return _json(OPENAPI)
+    lse = request.app.state.loader.lse   # while the model loads, token ids are not bounded yet
+    return _json(OPENAPI if lse is None else
+                 served_document(lse.model.tokenizer.vocab_size, int(lse.model.config["hidden_size"])))
 
 
 async def page(request: Request) -> Response:
@@ -387,6 +390,7 @@ async def detokenize(request: Request) -> Response:
     if not isinstance(tokens, list):
         raise invalid_request("tokens must be an array of token ids",
                               "missing_field" if tokens is None else "invalid_type", "tokens")
+    tokens = [integral(token) for token in tokens]
     for i, token in enumerate(tokens):
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < tokenizer.vocab_size:
             code = "invalid_value" if isinstance(token, int) and not isinstance(token, bool) else "invalid_type"

@@ -5,11 +5,13 @@ responses against them, so a change to a shape must change this file too."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
 from lse_core.adapters.anthropic import CountTokensRequest, MessagesRequest
+from lse_core.adapters.common import TOKEN_ID_MARK, WIDTH_MARK
 from lse_core.adapters.responses import ResponsesRequest
 from lse_core.embeddings import EmbeddingsRequest
 
@@ -26,21 +28,37 @@ def nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
+def exactly_one_of(fields: dict[str, Any], **more: Any) -> dict[str, Any]:
+    """An object with exactly one of ``fields`` not null."""
+    return {"oneOf": [obj([name], {other: schema if other == name else nullable(schema)
+                                   for other, schema in fields.items()}) for name in fields], **more}
+
+
+def sse(event: dict[str, Any], done: bool = False) -> dict[str, Any]:
+    """A text/event-stream body, described per event (schemathesis and OpenAPI 3.2 read it so): ``data``
+    is the JSON text of ``event``, or (``done``) that or the closing [DONE]."""
+    data = {"type": "string", "description": "the JSON text of an event, or [DONE]"} if done else {
+        "type": "string", "contentMediaType": "application/json", "contentSchema": event}
+    return {"schema": obj(["data"], {"event": STRING, "id": STRING, "data": data})}
+
+
 def json_body(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
 STRING, INTEGER, NUMBER, BOOLEAN = ({"type": t} for t in ("string", "integer", "number", "boolean"))
 COUNT = {"type": "integer", "minimum": 0}
+TOKEN_ID = {"type": "integer", "minimum": 0, TOKEN_ID_MARK: True}   # bounded by served_document
+TOKEN_IDS = {"type": "array", "minItems": 1, "items": TOKEN_ID}
 STOP_REASON = {"enum": ["stop_token", "stop_sequence", "max_tokens", "context_full", "cancelled"]}
 FINISH_REASON = {"enum": ["stop", "length", "tool_calls", None]}
 ERROR_STATUSES = (400, 401, 403, 404, 413, 415, 500, 503)
 ERRORS = {str(status): {"$ref": f"#/components/responses/Error{status}"} for status in ERROR_STATUSES}
 
-SAMPLING_FIELDS = {
+SAMPLING_FIELDS = {   # each may be null: null means not sent (spec/API.md)
     "model": {"type": "string", "description": "must name the served model when sent"},
-    "stream": BOOLEAN,
-    "stream_options": nullable(obj([], {"include_usage": BOOLEAN})),
+    "stream": nullable(BOOLEAN),
+    "stream_options": nullable(obj([], {"include_usage": nullable(BOOLEAN)})),
     "max_tokens": nullable({"type": "integer", "minimum": 1}),
     "max_completion_tokens": nullable({"type": "integer", "minimum": 1}),
     "stop": nullable({"anyOf": [{"type": "string", "minLength": 1},
@@ -57,33 +75,53 @@ SAMPLING_FIELDS = {
     "ignore_eos": nullable({"type": "boolean", "description": "end-of-turn tokens do not end the reply"}),
     "reasoning_effort": nullable(STRING),
     "thinking_level": nullable(STRING),
-    "reasoning": nullable(obj([], {"effort": STRING})),
+    "reasoning": nullable(obj([], {"effort": nullable(STRING)})),
     "enable_thinking": nullable(BOOLEAN),
     "thinking": nullable({"anyOf": [BOOLEAN, obj(["type"], {"type": {"enum": ["enabled", "disabled"]}})]}),
-    "chat_template_kwargs": nullable(obj([], {"enable_thinking": BOOLEAN, "reasoning_effort": STRING})),
+    "chat_template_kwargs": nullable(obj([], {"enable_thinking": nullable(BOOLEAN),
+                                              "reasoning_effort": nullable(STRING)})),
     "thinking_budget": nullable({"type": "integer", "minimum": 1,
                                  "description": "reply tokens of reasoning before LSE closes the block"}),
     # structured output: at most one of these four
-    "response_format": nullable(obj(["type"], {
-        "type": {"enum": ["text", "json_object", "json_schema"]},
-        "json_schema": obj([], {"name": STRING, "schema": {"type": ["object", "boolean"]}, "strict": BOOLEAN})})),
-    "structured_outputs": nullable(obj([], {"json": {"type": ["object", "boolean", "string"]}, "regex": STRING,
-                                            "choice": {"type": "array", "minItems": 1, "items": STRING},
-                                            "grammar": STRING, "json_object": BOOLEAN},
-                                       description="vLLM's: exactly one of json, regex, choice, grammar (Lark)")),
+    "response_format": nullable({"anyOf": [   # json_schema is read only when the type is json_schema
+        obj([], {"type": nullable({"enum": ["text", "json_object"]})}),
+        obj(["type", "json_schema"], {"type": {"const": "json_schema"}, "json_schema": obj([], {
+            "name": nullable(STRING), "schema": nullable({"type": ["object", "boolean"]}),
+            "strict": nullable(BOOLEAN)})})]}),
+    "structured_outputs": nullable(exactly_one_of({
+        "json": {"type": ["object", "boolean", "string"]}, "regex": STRING,
+        "choice": {"type": "array", "minItems": 1, "items": STRING}, "grammar": STRING, "json_object": BOOLEAN},
+        description="vLLM's: exactly one of json, regex, choice, grammar (Lark), json_object")),
     "grammar": nullable({"type": "string", "minLength": 1, "description": "llama.cpp's GBNF (or Lark)"}),
     "json_schema": nullable({"type": ["object", "boolean"], "description": "llama.cpp's: the reply's JSON Schema"}),
 }
+SAMPLING_FIELDS = {name: schema if "anyOf" in schema and {"type": "null"} in schema["anyOf"] else nullable(schema)
+                   for name, schema in SAMPLING_FIELDS.items()}
 
-MESSAGE = obj(["role"], {
-    "role": {"enum": ["system", "user", "assistant", "tool", "developer"]},
-    "content": nullable({"anyOf": [STRING, {"type": "array", "items": obj(["type", "text"], {
-        "type": {"const": "text"}, "text": STRING})}]}),
-    "name": STRING,
-    "tool_calls": {"type": "array", "items": obj(["function"], {"function": obj(["name"], {"name": STRING})})},
-    "tool_call_id": STRING,
-    "reasoning_content": STRING,
-})
+TOOL = obj(["type", "function"], {"type": {"const": "function"}, "function": obj(["name"], {
+    "name": STRING, "parameters": nullable({"type": "object"})})})
+TOOL_CHOICE = {"anyOf": [{"enum": ["none", "auto", "required"]},
+                          obj(["function"], {"type": nullable({"const": "function"}),
+                                             "function": obj(["name"], {"name": STRING})})]}
+# what makes each constraint field constrain the reply; at most one may (response_format text does not)
+ACTIVE_CONSTRAINT = {
+    "response_format": obj(["type"], {"type": {"enum": ["json_object", "json_schema"]}}),
+    "structured_outputs": {"type": "object", "not": obj(["json_object"], {"json_object": {"const": False}})},
+    "grammar": STRING, "json_schema": {"type": ["object", "boolean"]},
+}
+AT_MOST_ONE_CONSTRAINT = {"allOf": [
+    {"not": obj([a, b], {a: ACTIVE_CONSTRAINT[a], b: ACTIVE_CONSTRAINT[b]})}
+    for i, a in enumerate(ACTIVE_CONSTRAINT) for b in list(ACTIVE_CONSTRAINT)[i + 1:]]}
+MESSAGE_CONTENT = {"anyOf": [STRING, {"type": "array", "items": obj(["type", "text"], {
+    "type": {"const": "text"}, "text": STRING})}]}
+TOOL_CALLS = {"type": "array", "items": obj(["function"], {"function": obj(["name"], {"name": STRING})})}
+NAME = {"name": nullable(STRING)}
+MESSAGE = {"anyOf": [   # each role's fields (others are ignored); content may be null only on an assistant turn
+    obj(["role", "content"], {"role": {"enum": ["system", "user", "developer"]}, "content": MESSAGE_CONTENT, **NAME}),
+    obj(["role", "content"], {"role": {"const": "tool"}, "content": MESSAGE_CONTENT, **NAME,
+                              "tool_call_id": nullable(STRING)}),
+    obj(["role"], {"role": {"const": "assistant"}, "content": nullable(MESSAGE_CONTENT), **NAME,
+                   "tool_calls": nullable(TOOL_CALLS), "reasoning_content": nullable(STRING)})]}
 
 CLOSING = {   # what a whole response and a stream's final chunk carry
     "lse_context": ref("LSEContext"),
@@ -131,16 +169,16 @@ SCHEMAS: dict[str, Any] = {
                                                 "logprobs": nullable(BOOLEAN),
                                                 "top_logprobs": nullable({"type": "integer", "minimum": 0,
                                                                           "maximum": 20}),
-                                                "tools": nullable({"type": "array", "items": {"type": "object"}}),
-                                                "tool_choice": nullable({"anyOf": [STRING, {"type": "object"}]}),
+                                                "tools": nullable({"type": "array", "items": TOOL}),
+                                                "tool_choice": nullable(TOOL_CHOICE),
                                                 "parallel_tool_calls": nullable(BOOLEAN),
-                                                **SAMPLING_FIELDS}),
+                                                **SAMPLING_FIELDS}, **AT_MOST_ONE_CONSTRAINT),
     "CompletionRequest": obj(["prompt"], {
-        "prompt": {"anyOf": [{"type": "string", "minLength": 1},
-                             {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
-                             {"type": "array", "minItems": 1, "maxItems": 1}]},
+        "prompt": {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS,
+                             {"type": "array", "minItems": 1, "maxItems": 1,
+                              "items": {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS]}}]},
         "logprobs": nullable({"type": "integer", "minimum": 0, "maximum": 5}),
-        "echo": nullable(BOOLEAN), **SAMPLING_FIELDS}),
+        "echo": nullable(BOOLEAN), **SAMPLING_FIELDS}, **AT_MOST_ONE_CONSTRAINT),
     "ChatCompletion": completion_object("chat.completion", choice(["message"], {"message": CHAT_MESSAGE},
                                                                   STOP_REASON)),
     "ChatCompletionChunk": chunk_object("chat.completion.chunk", choice(["delta"], {"delta": CHAT_DELTA},
@@ -158,8 +196,9 @@ SCHEMAS: dict[str, Any] = {
                     "predicted_per_second"], {
         "prompt_n": COUNT, "prompt_ms": NUMBER, "prompt_per_second": NUMBER,
         "predicted_n": COUNT, "predicted_ms": NUMBER, "predicted_per_second": NUMBER}),
-    "LSEWarning": obj(["type", "cause", "count"], {"type": {"const": "cpu_fallback"}, "cause": STRING,
-                                                   "count": COUNT}),
+    "LSEWarning": obj(["type", "cause"], {"type": {"enum": ["cpu_fallback", "structured_output_incomplete"]},
+                                          "cause": STRING, "count": COUNT},
+                      description="count: a cpu_fallback's runs in this request"),
     "Thinking": obj(["supported", "source", "toggle", "effort", "default_level", "levels"], {
         "supported": BOOLEAN, "source": nullable(STRING), "toggle": nullable({"const": "enable_thinking"}),
         "effort": nullable({"const": "reasoning_effort"}), "default_level": nullable(STRING),
@@ -218,14 +257,14 @@ SCHEMAS: dict[str, Any] = {
     "TokenizeRequest": {"anyOf": [
         obj(["content"], {"content": STRING}, description="llama.cpp's: plain text"),
         ref("CompletionRequest"), ref("ChatCompletionRequest")],
-        "properties": {"add_special": BOOLEAN, "add_special_tokens": BOOLEAN, "add_generation_prompt": BOOLEAN,
-                       "with_pieces": BOOLEAN},
+        "properties": {name: nullable(BOOLEAN) for name in ("add_special", "add_special_tokens",
+                                                            "add_generation_prompt", "with_pieces")},
         "description": "a completion's or chat's body gives the tokens that request would start from"},
     "Tokenized": obj(["tokens", "count", "max_model_len"], {
         "tokens": {"type": "array", "items": {"anyOf": [COUNT, obj(["id", "piece"], {
             "id": COUNT, "piece": {"anyOf": [STRING, {"type": "array", "items": COUNT}]}})]}},
         "count": COUNT, "max_model_len": COUNT}),
-    "Tokens": obj(["tokens"], {"tokens": {"type": "array", "items": COUNT}}),
+    "Tokens": obj(["tokens"], {"tokens": {"type": "array", "items": TOKEN_ID}}),
     "Content": obj(["content"], {"content": STRING}),
 }
 
@@ -329,7 +368,7 @@ def completion_path(summary: str, request: str, response: str, chunk: str) -> di
                                    "lines, `data: <Error>` if the request fails after streaming began, then "
                                    "`data: [DONE]`",
                     "content": {"application/json": {"schema": ref(response)},
-                                "text/event-stream": {"schema": {"type": "string"}}}},
+                                "text/event-stream": sse(ref(chunk), done=True)}},
             **ERRORS}}}
 
 
@@ -342,24 +381,26 @@ def typed_stream_path(summary: str, request: str, response: str, event: str,
             "200": {"description": f"a {response}, or with stream: true server-sent events `event: <type>` and "
                                    f"`data: <{event}>` (an error after streaming began is an error event)",
                     "content": {"application/json": {"schema": ref(response)},
-                                "text/event-stream": {"schema": {"type": "string"}}}},
+                                "text/event-stream": sse(ref(event))}},
             **errors}}}
 
 
 ANTHROPIC_ERRORS = {str(status): json_body(ref("AnthropicError"), text) for status, text in ERROR_TEXT.items()}
 
 
+GET_ERRORS = (401, 403, 500, 503)   # what any GET may answer besides 200 (a key, the Host, loading)
+
+
 def get(summary: str, schema: str, *errors: int, media: str = "application/json") -> dict[str, Any]:
     return {"get": {"summary": summary, "responses": {
         "200": {"description": summary, "content": {media: {"schema": ref(schema) if schema else STRING}}},
-        **{str(s): ERRORS[str(s)] for s in errors}}}}
+        **{str(s): ERRORS[str(s)] for s in sorted({*GET_ERRORS, *errors})}}}}
 
 
 def post(summary: str, request: str, response: str, errors: dict[str, Any] = ERRORS) -> dict[str, Any]:
     return {"post": {"summary": summary,
                      "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
-                     "responses": {"200": json_body(ref(response), summary), "400": errors["400"],
-                                   "503": errors["503"]}}}
+                     "responses": {"200": json_body(ref(response), summary), **errors}}}
 
 
 OPENAPI: dict[str, Any] = {
@@ -408,3 +449,23 @@ OPENAPI: dict[str, Any] = {
                                                                                             "OpenAPI 3.1")}}},
     },
 }
+
+
+def served_document(vocab_size: int, hidden_size: int) -> dict[str, Any]:
+    """The document for a served model: token ids bounded by its vocabulary, dimensions by its width."""
+    document = copy.deepcopy(OPENAPI)
+    bounds = {TOKEN_ID_MARK: vocab_size - 1, WIDTH_MARK: hidden_size}
+
+    def bound(node: Any) -> None:
+        if isinstance(node, dict):
+            for mark, maximum in bounds.items():
+                if node.get(mark):
+                    node["maximum"] = maximum
+            for value in node.values():
+                bound(value)
+        elif isinstance(node, list):
+            for value in node:
+                bound(value)
+
+    bound(document)
+    return document

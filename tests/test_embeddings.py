@@ -162,7 +162,7 @@ def test_openapi_describes_the_reply(server: Server) -> None:
     ({"input": []}, "invalid_value", "input"),
     ({"input": ["Hi", ""]}, "invalid_value", "input[1]"),
     ({"input": [1, 2, 100000]}, "invalid_value", "input"),
-    ({"input": [[1, 2], [-1]]}, "invalid_value", "input[1]"),
+    ({"input": [[1, 2], [-1]]}, "invalid_value", "input[1][0]"),
     ({"input": [1, "two"]}, "invalid_type", "input[1]"),
     ({"input": "Hi", "encoding_format": "int8"}, "invalid_value", "encoding_format"),
     ({"input": "Hi", "dimensions": 0}, "invalid_value", "dimensions"),

@@ -16,7 +16,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from lse_core.adapters.common import Body, CoreDelta, CoreEnd, Part, checked, pass_through, renamed_param
+from lse_core.adapters.common import (
+    Body,
+    CoreDelta,
+    CoreEnd,
+    Integer,
+    Part,
+    Positive,
+    Text,
+    checked,
+    pass_through,
+    renamed_param,
+)
 
 # Chat fields as a Messages body names them, for the core's errors.
 PARAMS = {"stop": "stop_sequences", "stop[": "stop_sequences[", "reasoning_effort": "output_config.effort",
@@ -83,7 +94,7 @@ class ToolChoiceParam(Part):
 
 class ThinkingConfig(Part):
     type: Literal["enabled", "disabled", "adaptive"]     # adaptive: as the template thinks when it is on
-    budget_tokens: int | None = Field(None, ge=1)
+    budget_tokens: Positive | None = None
 
 
 class OutputFormat(Part):
@@ -112,10 +123,10 @@ class MessagesRequest(CountTokensRequest):
     """A /v1/messages body. temperature, top_k and top_p are those of Anthropic's earlier API versions;
     LSE's own sampling and thinking fields (min_p, seed, ...) pass through to the core as chat fields."""
 
-    max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = None
+    max_tokens: Positive
+    stop_sequences: list[Text] | None = None
     temperature: float | None = None
-    top_k: int | None = None
+    top_k: Integer | None = None
     top_p: float | None = None
     stream: bool | None = None
     metadata: dict[str, Any] | None = None

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from lse_core.errors import LSEError, invalid_request
 
@@ -16,6 +16,25 @@ Model = TypeVar("Model", bound=BaseModel)
 # LSE's own request fields (spec/API.md) that pass through every adapter unchanged; the core checks them.
 LSE_FIELDS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
               "enable_thinking", "reasoning_effort", "thinking_level", "chat_template_kwargs", "thinking_budget")
+
+
+# JSON has one number type, and JSON Schema counts 2.0 as an integer: so do the bodies (strict otherwise).
+# The validator goes after any constraint, or pydantic's JSON Schema loses the constraint.
+def integral(value: Any) -> Any:
+    """An integral float as the integer it is (2.0 -> 2); any other value as it is."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+AS_INTEGER = BeforeValidator(integral)
+Integer = Annotated[int, AS_INTEGER]
+Positive = Annotated[int, Field(ge=1), AS_INTEGER]
+# Bounds that depend on the served model: /openapi.json sets them on each schema marked so (lse_http.openapi)
+TOKEN_ID_MARK = "x-lse-token-id"      # at most the vocabulary's last id
+WIDTH_MARK = "x-lse-hidden-size"      # at most the model's hidden size
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True}), AS_INTEGER]
+Text = Annotated[str, Field(min_length=1)]
+Item = TypeVar("Item")
+NonEmpty = Annotated[Item, Field(min_length=1)]
 
 
 class Body(BaseModel):
@@ -42,15 +61,20 @@ def checked(model: type[Model], body: Any) -> Model:
 
 def _field_error(error: ValidationError, body: dict[str, Any]) -> LSEError:
     """The most specific of pydantic's errors as an LSEError: a union reports one per member, and the one
-    that got furthest into the body (deepest, then at the latest item) says what is wrong."""
+    that got furthest into the body (deepest, then at the latest item, then one whose type matched: a
+    value out of range says more than "not a string") says what is wrong."""
     found = [(_path(e["loc"], body), e) for e in error.errors(include_url=False)]
     path, worst = max(found, key=lambda pair: (pair[0].count(".") + pair[0].count("["),
-                                               [int(i) for i in re.findall(r"\[(\d+)\]", pair[0])]))
+                                               [int(i) for i in re.findall(r"\[(\d+)\]", pair[0])],
+                                               not _is_type_error(pair[1]["type"])))
     kind = worst["type"]
     code = ("missing_field" if kind in ("missing", "union_tag_not_found")
-            else "invalid_type" if kind.endswith("_type") or kind in ("model_attributes_type", "int_from_float")
-            else "invalid_value")
+            else "invalid_type" if _is_type_error(kind) else "invalid_value")
     return invalid_request(f"{path}: {worst['msg']}", code, path or None)
+
+
+def _is_type_error(kind: str) -> bool:
+    return kind.endswith("_type") or kind in ("model_attributes_type", "int_from_float")
 
 
 def _path(loc: tuple[int | str, ...], body: Any) -> str:

@@ -16,7 +16,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from lse_core.adapters.common import Body, CoreDelta, CoreEnd, Part, checked, pass_through, renamed_param
+from lse_core.adapters.common import (
+    Body,
+    CoreDelta,
+    CoreEnd,
+    Part,
+    Positive,
+    checked,
+    pass_through,
+    renamed_param,
+)
 from lse_core.errors import invalid_request
 
 STORED_RESPONSES = 256   # conversations kept for previous_response_id; the oldest goes first
@@ -111,7 +120,7 @@ class ResponsesRequest(Body):
     previous_response_id: str | None = None
     store: bool | None = None
     stream: bool | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: Positive | None = None
     temperature: float | None = None
     top_p: float | None = None
     tools: list[FunctionTool] | None = None
