@@ -96,9 +96,11 @@ def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
     if len(data) < 8:
         raise error(f"{len(data)} bytes, shorter than the 8-byte header length (the file is truncated)")
     header_bytes = int.from_bytes(data[:8], "little")
-    if header_bytes > min(len(data) - 8, _MAX_HEADER_BYTES):
-        raise error(f"the header length {header_bytes} is past the file's end ({len(data)} bytes) or over "
-                    f"{_MAX_HEADER_BYTES} bytes: the file is truncated or corrupt")
+    if header_bytes > _MAX_HEADER_BYTES:
+        raise error(f"the header length {header_bytes} is over {_MAX_HEADER_BYTES} bytes (the file is corrupt)")
+    if header_bytes > len(data) - 8:
+        raise error(f"the {header_bytes}-byte header ends past the file's end ({len(data)} bytes): "
+                    "the file is truncated or corrupt")
     try:
         header = json.loads(data[8:8 + header_bytes].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:

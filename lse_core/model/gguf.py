@@ -129,7 +129,7 @@ def _read_header(path: str, mapping: mmap.mmap) -> dict[str, Any]:
         header = read_gguf_header(path, mapping)
         meta, tensors = header.metadata, header.tensors
         _check_metadata(meta, path)
-        config = _config(meta, {t.name for t in tensors}, path)
+        config = _config(meta, {t.name: t.dims for t in tensors}, path)
         factors = next((t for t in tensors if t.name == ROPE_FACTORS), None)
         if factors is not None:
             config["rope_scaling"] = _rope_factors(config.get("rope_scaling"), factors, mapping, path)
@@ -234,7 +234,7 @@ def _check_metadata(meta: dict[str, Any], path: str) -> None:
             raise StartupError(f"{path}: metadata {key} is {shown}, expected {expected}")
 
 
-def _config(meta: dict[str, Any], tensor_names: set[str], path: str) -> dict[str, Any]:
+def _config(meta: dict[str, Any], tensor_dims: dict[str, list[int]], path: str) -> dict[str, Any]:
     """Hugging Face config.json fields from llama.cpp's metadata keys."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -249,9 +249,17 @@ def _config(meta: dict[str, Any], tensor_names: set[str], path: str) -> dict[str
     if hidden < heads:
         raise StartupError(f"{path}: metadata {arch}.embedding_length {hidden} is less than its "
                            f"{heads} attention heads")
-    if key("block_count") > len(tensor_names):   # each layer has tensors of its own
+    if key("block_count") > len(tensor_dims):   # each layer has tensors of its own
         raise StartupError(f"{path}: metadata {arch}.block_count is {key('block_count')}, but the file has "
-                           f"{len(tensor_names)} tensors")
+                           f"{len(tensor_dims)} tensors")
+    # Each width is some tensor's dimension (the architecture checks which); one larger than all of them is
+    # refused before anything is sized by it (rope tables, say).
+    widest = max((d for dims in tensor_dims.values() for d in dims), default=0)
+    for width in ("embedding_length", "feed_forward_length", "attention.head_count", "attention.head_count_kv",
+                  "attention.key_length", "rope.dimension_count"):
+        if (key(width) or 0) > widest:
+            raise StartupError(f"{path}: metadata {arch}.{width} is {key(width)}, more than any tensor "
+                               f"dimension in the file ({widest})")
     config: dict[str, Any] = {
         "model_type": arch,
         "hidden_size": hidden,
@@ -265,9 +273,9 @@ def _config(meta: dict[str, Any], tensor_names: set[str], path: str) -> dict[str
         "max_position_embeddings": key("context_length", 4096),
         "vocab_size": len(meta["tokenizer.ggml.tokens"]),
         # llama.cpp writes the output matrix only when it is not the embedding table
-        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "tie_word_embeddings": "output.weight" not in tensor_dims,
         # HF's attention_bias puts biases on q, k, v and o; Qwen2's q/k/v-only biases need no flag
-        "attention_bias": "blk.0.attn_output.bias" in tensor_names,
+        "attention_bias": "blk.0.attn_output.bias" in tensor_dims,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),

@@ -72,18 +72,24 @@ def build_tokenizer(meta: dict[str, Any], source: str) -> Tokenizer:
         index = meta.get(f"tokenizer.ggml.{key}")
         return index if index is not None and 0 <= index < len(tokens) else None
 
+    if kind == "llama":
+        # Gemma's files spell its whitespace pieces with real spaces, where SentencePiece text has
+        # "▁": respelled, they are ordinary BPE pieces rather than text matched whole.
+        spelled = ["▁" * len(t) if t and not t.strip(" ") else t for t in tokens]
+        types = [NORMAL if s != t else k for s, t, k in zip(spelled, tokens, types)]
+        tokens = spelled
+    elif kind != "gpt2":
+        raise StartupError(f"{source}: tokenizer.ggml.model {kind!r} is not supported (gpt2, llama)")
+    first: dict[str, int] = {}
+    for i, t in enumerate(tokens):   # a repeated token would leave an id that no token has
+        if first.setdefault(t, i) != i:
+            raise StartupError(f"{source}: token {i} of tokenizer.ggml.tokens, {t!r}, repeats token {first[t]}")
+
     try:   # tokenizers raises a bare Exception for a vocabulary it cannot build (a merge of unknown tokens...)
         if kind == "gpt2":
             backend = _byte_level_bpe(tokens, meta, source)
-        elif kind == "llama":
-            # Gemma's files spell its whitespace pieces with real spaces, where SentencePiece text has
-            # "▁": respelled, they are ordinary BPE pieces rather than text matched whole.
-            spelled = ["▁" * len(t) if t and not t.strip(" ") else t for t in tokens]
-            types = [NORMAL if s != t else k for s, t, k in zip(spelled, tokens, types)]
-            tokens = spelled
-            backend = _sentencepiece_bpe(tokens, token_id("unknown_token_id"), meta)
         else:
-            raise StartupError(f"{source}: tokenizer.ggml.model {kind!r} is not supported (gpt2, llama)")
+            backend = _sentencepiece_bpe(tokens, token_id("unknown_token_id"), meta)
         backend.add_special_tokens(
             [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL])
         backend.add_tokens(
