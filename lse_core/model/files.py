@@ -25,6 +25,7 @@ from lse_core.model.tokenizer import Tokenizer
 _NUMPY_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"), "BF16": np.dtype("<u2")}
 _MAX_HEADER_BYTES = 100 << 20   # the safetensors library's own cap on the JSON header
 
+
 def load_hf(path: str) -> Model:
     root = Path(path)
     config_file = root / "config.json"

@@ -155,70 +155,49 @@ def _read_header(path: str, mapping: mmap.mmap) -> dict[str, Any]:
     }
 
 
-def _is_count(v: Any) -> bool:
-    return type(v) is int and v > 0
-
-
-def _is_index(v: Any) -> bool:
-    return type(v) is int and v >= 0
-
-
-def _is_number(v: Any) -> bool:
-    return type(v) in (int, float)
-
-
-def _is_string(v: Any) -> bool:
-    return type(v) is str
-
-
-def _is_flag(v: Any) -> bool:
-    return type(v) is bool
-
-
-def _is_strings(v: Any) -> bool:
-    return type(v) is list and all(type(x) is str for x in v)
-
-
-def _is_indices(v: Any) -> bool:
-    return type(v) is list and all(_is_index(x) for x in v)
-
-
-def _is_window_pattern(v: Any) -> bool:   # every n-th layer global, or a flag per layer
-    return _is_count(v) or (type(v) is list and all(type(x) in (bool, int) for x in v))
-
+# (check, what it wants) for the metadata values LSE reads
+_COUNT = (lambda v: type(v) is int and v > 0, "a positive integer")
+_INDEX = (lambda v: type(v) is int and v >= 0, "a non-negative integer")
+_NUMBER = (lambda v: type(v) in (int, float), "a number")
+_STRING = (lambda v: type(v) is str, "a string")
+_FLAG = (lambda v: type(v) is bool, "a bool")
+_STRINGS = (lambda v: type(v) is list and all(type(x) is str for x in v), "a list of strings")
+_INDICES = (lambda v: type(v) is list and all(type(x) is int and x >= 0 for x in v), "a list of integers")
+_WINDOW_PATTERN = (lambda v: _COUNT[0](v) or (type(v) is list and all(type(x) in (bool, int) for x in v)),
+                   "a positive integer (every n-th layer global) or a flag per layer")
 
 # The metadata LSE reads ({} is the architecture) and what each value must be: a value of another type
 # is refused here, not met later as a TypeError or a division by zero.
 _METADATA_TYPES: dict[str, tuple[Any, str]] = {
-    "general.architecture": (_is_string, "a string"),
-    "{}.block_count": (_is_count, "a positive integer"),
-    "{}.context_length": (_is_count, "a positive integer"),
-    "{}.embedding_length": (_is_count, "a positive integer"),
-    "{}.feed_forward_length": (_is_count, "a positive integer"),
-    "{}.attention.head_count": (_is_count, "a positive integer"),
-    "{}.attention.head_count_kv": (_is_count, "a positive integer"),
-    "{}.attention.key_length": (_is_count, "a positive integer"),
-    "{}.rope.dimension_count": (_is_count, "a positive integer"),
-    "{}.attention.layer_norm_rms_epsilon": (_is_number, "a number"),
-    "{}.rope.freq_base": (_is_number, "a number"),
-    "{}.rope.freq_base_swa": (_is_number, "a number"),
-    "{}.rope.scaling.type": (_is_string, "a string"),
-    "{}.rope.scaling.factor": (_is_number, "a number"),
-    "{}.pooling_type": (_is_index, "an integer"),
-    "{}.attention.sliding_window": (_is_index, "an integer"),
-    "{}.attention.sliding_window_pattern": (_is_window_pattern, "a positive integer or a list of flags"),
-    "tokenizer.ggml.model": (_is_string, "a string"),
-    "tokenizer.ggml.pre": (_is_string, "a string"),
-    "tokenizer.ggml.tokens": (_is_strings, "a list of strings"),
-    "tokenizer.ggml.token_type": (_is_indices, "a list of integers"),
-    "tokenizer.ggml.merges": (_is_strings, "a list of strings"),
-    "tokenizer.ggml.add_bos_token": (_is_flag, "a bool"),
-    "tokenizer.ggml.add_eos_token": (_is_flag, "a bool"),
-    "tokenizer.ggml.add_space_prefix": (_is_flag, "a bool"),
-    "tokenizer.chat_template": (_is_string, "a string"),
-    **{f"tokenizer.ggml.{name}_token_id": (_is_index, "a token id")
+    "general.architecture": _STRING,
+    "{}.block_count": _COUNT,
+    "{}.context_length": _COUNT,
+    "{}.embedding_length": _COUNT,
+    "{}.feed_forward_length": _COUNT,
+    "{}.attention.head_count": _COUNT,
+    "{}.attention.head_count_kv": _COUNT,
+    "{}.attention.key_length": _COUNT,
+    "{}.rope.dimension_count": _COUNT,
+    "{}.attention.layer_norm_rms_epsilon": _NUMBER,
+    "{}.rope.freq_base": _NUMBER,
+    "{}.rope.freq_base_swa": _NUMBER,
+    "{}.rope.scaling.type": _STRING,
+    "{}.rope.scaling.factor": _NUMBER,
+    "{}.pooling_type": _INDEX,
+    "{}.attention.sliding_window": _INDEX,
+    "{}.attention.sliding_window_pattern": _WINDOW_PATTERN,
+    "tokenizer.ggml.model": _STRING,
+    "tokenizer.ggml.pre": _STRING,
+    "tokenizer.ggml.tokens": _STRINGS,
+    "tokenizer.ggml.token_type": _INDICES,
+    "tokenizer.ggml.merges": _STRINGS,
+    "tokenizer.ggml.add_bos_token": _FLAG,
+    "tokenizer.ggml.add_eos_token": _FLAG,
+    "tokenizer.ggml.add_space_prefix": _FLAG,
+    "tokenizer.chat_template": _STRING,
+    **{f"tokenizer.ggml.{name}_token_id": _INDEX
        for name in ("bos", "eos", "eot", "eom", "padding", "unknown")},
-    **{f"general.sampling.{key}": (_is_number, "a number") for key in _SAMPLING_KEYS},
+    **{f"general.sampling.{key}": _NUMBER for key in _SAMPLING_KEYS},
 }
 
 
