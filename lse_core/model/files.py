@@ -8,19 +8,22 @@ tensor shapes are checked against config.json by the architecture builder (arch/
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import safetensors
 import tokenizers
 
 from lse_core.errors import StartupError
 from lse_core.model.model import Model
 from lse_core.model.tokenizer import Tokenizer
 
-# safetensors dtypes a checkpoint may store its weights in; all become float32 on load.
-_NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+# safetensors dtypes a checkpoint may store its weights in (BF16 is read as the top half of a
+# float32); all become float32 on load.
+_NUMPY_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"), "BF16": np.dtype("<u2")}
+_MAX_HEADER_BYTES = 100 << 20   # the safetensors library's own cap on the JSON header
 
 
 def load_hf(path: str) -> Model:
@@ -83,21 +86,53 @@ def _load_weights(root: Path) -> dict[str, np.ndarray]:
 
 
 def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file: an 8-byte little-endian header length, the JSON header
+    ({name: {dtype, shape, data_offsets: [begin, end]}}, offsets from the end of the header), the data.
+    The header is checked against the file's size before any of it is used."""
+    data = file.read_bytes()
+
+    def error(what: str) -> StartupError:
+        return StartupError(f"{file}: not a valid safetensors file: {what}")
+
+    if len(data) < 8:
+        raise error(f"{len(data)} bytes, shorter than the 8-byte header length (the file is truncated)")
+    header_bytes = int.from_bytes(data[:8], "little")
+    if header_bytes > _MAX_HEADER_BYTES:
+        raise error(f"the header length {header_bytes} is over {_MAX_HEADER_BYTES} bytes (the file is corrupt)")
+    if header_bytes > len(data) - 8:
+        raise error(f"the {header_bytes}-byte header ends past the file's end ({len(data)} bytes): "
+                    "the file is truncated or corrupt")
     try:
-        tensors = safetensors.deserialize(file.read_bytes())
-    except safetensors.SafetensorError as e:
-        raise StartupError(f"{file}: not a valid safetensors file (truncated or corrupt): {e}") from None
-    return {name: _to_float32(file, name, spec) for name, spec in tensors}
+        header = json.loads(data[8:8 + header_bytes].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise error(f"the header is not JSON text ({e})") from None
+    if not isinstance(header, dict):
+        raise error(f"the header is a JSON {type(header).__name__}, not an object")
+    body = memoryview(data)[8 + header_bytes:]
+    return {name: _tensor(error, name, entry, body) for name, entry in header.items() if name != "__metadata__"}
 
 
-def _to_float32(file: Path, name: str, spec: dict[str, Any]) -> np.ndarray:
-    dtype, shape, data = spec["dtype"], spec["shape"], spec["data"]
-    if dtype == "BF16":
-        # bfloat16 is the top half of a float32: widen the bits, exactly.
-        return (np.frombuffer(data, np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+def _tensor(error: Callable[[str], StartupError], name: str, entry: Any, body: memoryview) -> np.ndarray:
+    """One header entry's tensor as float32, its dtype, shape and offsets checked against the data."""
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+        raise error(f"tensor {name!r} is not an object of dtype, shape and data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if dtype not in _NUMPY_DTYPES:
-        raise StartupError(f"{file}: tensor {name!r} has dtype {dtype}; LSE reads F32, F16, BF16 and F64")
-    array = np.frombuffer(data, _NUMPY_DTYPES[dtype]).reshape(shape)
+        raise error(f"tensor {name!r} has dtype {dtype!r}; LSE reads F32, F16, BF16 and F64")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise error(f"tensor {name!r} has shape {shape!r}, not a list of sizes")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= len(body)):
+        raise error(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] within the "
+                    f"{len(body)} bytes of data (the file is truncated or corrupt)")
+    begin, end = offsets
+    itemsize = _NUMPY_DTYPES[dtype].itemsize
+    if end - begin != math.prod(shape) * itemsize:
+        raise error(f"tensor {name!r} has {end - begin} bytes of data, but its shape {shape} in {dtype} "
+                    f"takes {math.prod(shape) * itemsize}")
+    array = np.frombuffer(body[begin:end], _NUMPY_DTYPES[dtype]).reshape(shape)
+    if dtype == "BF16":   # bfloat16 is the top half of a float32: widen the bits, exactly
+        return (array.astype(np.uint32) << 16).view(np.float32)
     return array if array.dtype == np.float32 else array.astype(np.float32)
 
 

@@ -1,11 +1,10 @@
-"""GGUF -> Model, with the gguf package (llama.cpp's reader).
+"""GGUF -> Model: the header read and checked by gguf_file.py, the tensors memory-mapped.
 
 The file's metadata becomes a Hugging Face-style config dict, its tensors get Hugging Face names and
 shapes, so architecture files see what an HF directory gives them. Quantized matrices stay in their
 GGUF blocks (QuantTensor); F32/F16/BF16 tensors become float32.
 
-What is slow is GGUFReader parsing the vocabulary arrays element by element (SmolLM2's 49k tokens:
-~5 s; Gemma 3's 262k: over a minute) and rebuilding a SentencePiece vocabulary's merges (~5 s);
+What is slow is building the tokenizer (rebuilding a SentencePiece vocabulary's merges: ~5 s);
 tensor data is only memory-mapped. So the parsed header (config, tokenizer, template, tensor table)
 is cached under ``$LSE_CACHE_DIR`` (default ``~/.cache/lse``)/gguf/<content key>.json: a cached
 import of SmolLM2 takes ~0.3 s. Tensors are read from the file through one read-only mmap either way.
@@ -27,11 +26,12 @@ from tqdm import tqdm
 
 from lse_core.errors import StartupError
 
+from .gguf_file import GGUFTensor, read_gguf_header
 from .gguf_tokenizer import build_tokenizer
 from .model import QUANT_BLOCKS, Model, QuantTensor, Weight
 from .tokenizer import Tokenizer
 
-CACHE_FORMAT = 3   # part of the cache key: bump it whenever the header's content changes
+CACHE_FORMAT = 4   # part of the cache key: bump it whenever the header's content or its checks change
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ROPE_FACTORS = "rope_freqs.weight"   # Llama 3's rope scaling, as a divisor per frequency
@@ -71,13 +71,15 @@ _SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "mi
 def load_gguf(path: str) -> Model:
     """Import a .gguf file; raises StartupError for a file LSE cannot read or run."""
     path = os.path.abspath(path)
-    header = _cached_header(path)
+    if os.path.getsize(path) == 0:   # mmap refuses an empty file
+        raise StartupError(f"{path}: the file is empty")
+    with open(path, "rb") as file:
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    header = _cached_header(path, mapping)
     config = header["config"]
     saved = header["tokenizer"]
     tokenizer = Tokenizer(tokenizers.Tokenizer.from_str(saved["json"]), eos_ids=tuple(saved["eos_ids"]),
                           bos_token=saved["bos_token"], eos_token=saved["eos_token"], special=saved["special"])
-    with open(path, "rb") as file:
-        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
     return Model(source=path, config=config, weights=_read_weights(mapping, path, config, header["tensors"]),
                  mapping=mapping, tokenizer=tokenizer, generation_config=header["generation_config"],
                  chat_template=header["chat_template"],
@@ -86,13 +88,13 @@ def load_gguf(path: str) -> Model:
 
 # ---- header: metadata -> config, tokenizer, template, tensor table (cached) ----
 
-def _cached_header(path: str) -> dict[str, Any]:
+def _cached_header(path: str, mapping: mmap.mmap) -> dict[str, Any]:
     cache_file = _cache_dir() / f"{content_key(path)}.json"
     try:
         return json.loads(cache_file.read_text())
     except (OSError, ValueError):
         pass
-    header = _read_header(path)
+    header = _read_header(path, mapping)
     try:  # a cache that cannot be written only costs the next start its seconds
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         partial = cache_file.with_suffix(f".{os.getpid()}.tmp")
@@ -121,23 +123,17 @@ def content_key(path: str, head_bytes: int = 32 << 20, samples: int = 16, sample
     return digest.hexdigest()
 
 
-def _read_header(path: str) -> dict[str, Any]:
-    from gguf import GGUFReader
-
+def _read_header(path: str, mapping: mmap.mmap) -> dict[str, Any]:
     with tqdm(total=2, desc=f"importing {os.path.basename(path)}", unit="step", disable=None) as bar:
         bar.set_postfix_str("metadata")
-        try:
-            reader = GGUFReader(path)
-        except Exception as e:  # the reader raises ValueError, struct/numpy errors... on a bad file
-            raise StartupError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
-        meta = {name: field.contents() for name, field in reader.fields.items()}
-        tensors = [(t.name, t.tensor_type.name, [int(d) for d in t.shape], int(t.data_offset), int(t.n_bytes))
-                   for t in reader.tensors]
-        config = _config(meta, {t[0] for t in tensors}, path)
-        factors = next((t.data for t in reader.tensors if t.name == ROPE_FACTORS), None)
+        header = read_gguf_header(path, mapping)
+        meta, tensors = header.metadata, header.tensors
+        _check_metadata(meta, path)
+        config = _config(meta, {t.name: t.dims for t in tensors}, path)
+        factors = next((t for t in tensors if t.name == ROPE_FACTORS), None)
         if factors is not None:
-            config["rope_scaling"] = _rope_factors(config.get("rope_scaling"), factors, path)
-            tensors = [t for t in tensors if t[0] != ROPE_FACTORS]
+            config["rope_scaling"] = _rope_factors(config.get("rope_scaling"), factors, mapping, path)
+            tensors = [t for t in tensors if t.name != ROPE_FACTORS]
         for name, qtype, *_ in tensors:
             if qtype not in FLOAT_TYPES and qtype not in QUANT_BLOCKS:
                 raise StartupError(f"{path}: tensor {name} has type {qtype}, which LSE does not support "
@@ -159,7 +155,65 @@ def _read_header(path: str) -> dict[str, Any]:
     }
 
 
-def _config(meta: dict[str, Any], tensor_names: set[str], path: str) -> dict[str, Any]:
+# (check, what it wants) for the metadata values LSE reads
+_COUNT = (lambda v: type(v) is int and v > 0, "a positive integer")
+_INDEX = (lambda v: type(v) is int and v >= 0, "a non-negative integer")
+_NUMBER = (lambda v: type(v) in (int, float), "a number")
+_STRING = (lambda v: type(v) is str, "a string")
+_FLAG = (lambda v: type(v) is bool, "a bool")
+_STRINGS = (lambda v: type(v) is list and all(type(x) is str for x in v), "a list of strings")
+_INDICES = (lambda v: type(v) is list and all(type(x) is int and x >= 0 for x in v), "a list of integers")
+_WINDOW_PATTERN = (lambda v: _COUNT[0](v) or (type(v) is list and all(type(x) in (bool, int) for x in v)),
+                   "a positive integer (every n-th layer global) or a flag per layer")
+
+# The metadata LSE reads ({} is the architecture) and what each value must be: a value of another type
+# is refused here, not met later as a TypeError or a division by zero.
+_METADATA_TYPES: dict[str, tuple[Any, str]] = {
+    "general.architecture": _STRING,
+    "{}.block_count": _COUNT,
+    "{}.context_length": _COUNT,
+    "{}.embedding_length": _COUNT,
+    "{}.feed_forward_length": _COUNT,
+    "{}.attention.head_count": _COUNT,
+    "{}.attention.head_count_kv": _COUNT,
+    "{}.attention.key_length": _COUNT,
+    "{}.rope.dimension_count": _COUNT,
+    "{}.attention.layer_norm_rms_epsilon": _NUMBER,
+    "{}.rope.freq_base": _NUMBER,
+    "{}.rope.freq_base_swa": _NUMBER,
+    "{}.rope.scaling.type": _STRING,
+    "{}.rope.scaling.factor": _NUMBER,
+    "{}.pooling_type": _INDEX,
+    "{}.attention.sliding_window": _INDEX,
+    "{}.attention.sliding_window_pattern": _WINDOW_PATTERN,
+    "tokenizer.ggml.model": _STRING,
+    "tokenizer.ggml.pre": _STRING,
+    "tokenizer.ggml.tokens": _STRINGS,
+    "tokenizer.ggml.token_type": _INDICES,
+    "tokenizer.ggml.merges": _STRINGS,
+    "tokenizer.ggml.add_bos_token": _FLAG,
+    "tokenizer.ggml.add_eos_token": _FLAG,
+    "tokenizer.ggml.add_space_prefix": _FLAG,
+    "tokenizer.chat_template": _STRING,
+    **{f"tokenizer.ggml.{name}_token_id": _INDEX
+       for name in ("bos", "eos", "eot", "eom", "padding", "unknown")},
+    **{f"general.sampling.{key}": _NUMBER for key in _SAMPLING_KEYS},
+}
+
+
+def _check_metadata(meta: dict[str, Any], path: str) -> None:
+    if not meta.get("tokenizer.ggml.tokens"):
+        raise StartupError(f"{path}: metadata has no tokenizer.ggml.tokens (the vocabulary)")
+    arch = meta.get("general.architecture")
+    for pattern, (is_valid, expected) in _METADATA_TYPES.items():
+        key = pattern.format(arch)
+        if key in meta and not is_valid(meta[key]):
+            value = meta[key]
+            shown = f"a list of {len(value)}" if isinstance(value, list) else repr(value)[:60]
+            raise StartupError(f"{path}: metadata {key} is {shown}, expected {expected}")
+
+
+def _config(meta: dict[str, Any], tensor_dims: dict[str, list[int]], path: str) -> dict[str, Any]:
     """Hugging Face config.json fields from llama.cpp's metadata keys."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -171,6 +225,20 @@ def _config(meta: dict[str, Any], tensor_names: set[str], path: str) -> dict[str
     hidden, heads = key("embedding_length"), key("attention.head_count")
     if hidden is None or heads is None or key("block_count") is None:
         raise StartupError(f"{path}: metadata lacks {arch}.embedding_length, .block_count or .attention.head_count")
+    if hidden < heads:
+        raise StartupError(f"{path}: metadata {arch}.embedding_length {hidden} is less than its "
+                           f"{heads} attention heads")
+    if key("block_count") > len(tensor_dims):   # each layer has tensors of its own
+        raise StartupError(f"{path}: metadata {arch}.block_count is {key('block_count')}, but the file has "
+                           f"{len(tensor_dims)} tensors")
+    # Each width is some tensor's dimension (the architecture checks which); one larger than all of them is
+    # refused before anything is sized by it (rope tables, say).
+    widest = max((d for dims in tensor_dims.values() for d in dims), default=0)
+    for width in ("embedding_length", "feed_forward_length", "attention.head_count", "attention.head_count_kv",
+                  "attention.key_length", "rope.dimension_count"):
+        if (key(width) or 0) > widest:
+            raise StartupError(f"{path}: metadata {arch}.{width} is {key(width)}, more than any tensor "
+                               f"dimension in the file ({widest})")
     config: dict[str, Any] = {
         "model_type": arch,
         "hidden_size": hidden,
@@ -184,39 +252,46 @@ def _config(meta: dict[str, Any], tensor_names: set[str], path: str) -> dict[str
         "max_position_embeddings": key("context_length", 4096),
         "vocab_size": len(meta["tokenizer.ggml.tokens"]),
         # llama.cpp writes the output matrix only when it is not the embedding table
-        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "tie_word_embeddings": "output.weight" not in tensor_dims,
         # HF's attention_bias puts biases on q, k, v and o; Qwen2's q/k/v-only biases need no flag
-        "attention_bias": "blk.0.attn_output.bias" in tensor_names,
+        "attention_bias": "blk.0.attn_output.bias" in tensor_dims,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
     }
     scaling = key("rope.scaling.type")
     if scaling == "linear":
+        if key("rope.scaling.factor") is None:
+            raise StartupError(f"{path}: linear rope scaling without {arch}.rope.scaling.factor")
         config["rope_scaling"] = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
     elif scaling not in (None, "none"):
         raise StartupError(f"{path}: rope scaling {scaling!r} is not supported (none, linear)")
     if key("pooling_type") is not None:   # an embedding model's: llama.cpp's enum (1 mean, 2 cls, 3 last)
         config["pooling_type"] = key("pooling_type")
     if arch == "gemma3":
-        config |= _gemma3_config(config, key)
+        config |= _gemma3_config(config, key, path)
     return config
 
 
-def _rope_factors(scaling: dict[str, Any] | None, factors: np.ndarray, path: str) -> dict[str, Any]:
+def _rope_factors(scaling: dict[str, Any] | None, factors: GGUFTensor, mapping: mmap.mmap,
+                  path: str) -> dict[str, Any]:
     """rope_freqs.weight: a divisor per rotary frequency, what llama.cpp's converter writes for
     Llama 3's rope scaling; a linear factor in the metadata divides every frequency as well."""
-    if factors.dtype != np.float32 or factors.ndim != 1:
-        raise StartupError(f"{path}: {ROPE_FACTORS} must be a float32 vector, got {factors.dtype} {factors.shape}")
+    if factors.qtype != "F32" or len(factors.dims) != 1:
+        raise StartupError(f"{path}: {ROPE_FACTORS} must be a float32 vector, got {factors.qtype} {factors.dims}")
     linear = float(scaling["factor"]) if scaling else 1.0
-    return {"rope_type": "freq_factors", "factors": [float(f) * linear for f in factors]}
+    values = np.frombuffer(mapping, np.float32, factors.dims[0], factors.offset)
+    return {"rope_type": "freq_factors", "factors": [float(f) * linear for f in values]}
 
 
-def _gemma3_config(config: dict[str, Any], key: Any) -> dict[str, Any]:
+def _gemma3_config(config: dict[str, Any], key: Any, path: str) -> dict[str, Any]:
     """What Gemma 3 adds; llama.cpp's defaults where the file is silent (as in the 270M file)."""
     layers = config["num_hidden_layers"]
     pattern = key("attention.sliding_window_pattern", 6)
     if isinstance(pattern, list):   # one flag per layer, true = sliding
+        if len(pattern) != layers:
+            raise StartupError(f"{path}: metadata gemma3.attention.sliding_window_pattern has {len(pattern)} "
+                               f"flags for {layers} layers")
         sliding = [bool(p) for p in pattern]
     else:                           # every pattern-th layer is global
         sliding = [(i + 1) % pattern != 0 for i in range(layers)]
@@ -240,9 +315,9 @@ def _read_weights(mapping: mmap.mmap, path: str, config: dict[str, Any], table: 
         hf_name = _hf_name(name, layer_names, path)
         tensor = _tensor(data[offset:offset + nbytes], qtype, tuple(reversed(gguf_shape)))
         if arch == "llama" and ".attn_q." in name:
-            tensor = _unpermute_rows(tensor, config["num_attention_heads"])
+            tensor = _unpermute_rows(tensor, config["num_attention_heads"], name, path)
         elif arch == "llama" and ".attn_k." in name:
-            tensor = _unpermute_rows(tensor, config["num_key_value_heads"])
+            tensor = _unpermute_rows(tensor, config["num_key_value_heads"], name, path)
         elif arch == "gemma3" and name.endswith("norm.weight"):
             # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added; HF keeps w
             tensor = tensor - np.float32(1.0)
@@ -273,10 +348,13 @@ def _tensor(raw: np.ndarray, qtype: str, shape: tuple[int, ...]) -> Weight:
     return quant if len(shape) == 2 else quant.dequantize().reshape(shape)
 
 
-def _unpermute_rows(tensor: Weight, n_heads: int) -> Weight:
+def _unpermute_rows(tensor: Weight, n_heads: int, name: str, path: str) -> Weight:
     """Undo convert_hf_to_gguf.py's ``permute`` of llama Q/K rows: within each head it interleaved
     the two rotary halves (row i of half h went to 2i + h). Rows move whole, so quantized blocks do too."""
     rows = tensor.shape[0]
+    if rows % (2 * n_heads):
+        raise StartupError(f"{path}: tensor {name} has {rows} rows, which do not split into {n_heads} heads "
+                           "of rotary pairs")
     order = np.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).swapaxes(1, 2).reshape(rows)
     if isinstance(tensor, QuantTensor):
         return QuantTensor(tensor.qtype, np.ascontiguousarray(tensor.data[order]), tensor.shape)

@@ -61,41 +61,56 @@ END_OF_GENERATION_TEXTS = frozenset({
 
 
 def build_tokenizer(meta: dict[str, Any], source: str) -> Tokenizer:
-    """The tokenizer that ``meta`` (GGUF key -> value, tokenizer.ggml.* at least) describes."""
+    """The tokenizer that ``meta`` (GGUF key -> value, tokenizer.ggml.* at least, of the types gguf.py
+    checks) describes."""
     kind = meta.get("tokenizer.ggml.model")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
-    if kind == "gpt2":
-        backend = _byte_level_bpe(tokens, meta, source)
-    elif kind == "llama":
+
+    def token_id(key: str) -> int | None:
+        """A special token's id; one outside the vocabulary is ignored, as llama.cpp ignores it."""
+        index = meta.get(f"tokenizer.ggml.{key}")
+        return index if index is not None and 0 <= index < len(tokens) else None
+
+    if kind == "llama":
         # Gemma's files spell its whitespace pieces with real spaces, where SentencePiece text has
         # "▁": respelled, they are ordinary BPE pieces rather than text matched whole.
         spelled = ["▁" * len(t) if t and not t.strip(" ") else t for t in tokens]
         types = [NORMAL if s != t else k for s, t, k in zip(spelled, tokens, types)]
         tokens = spelled
-        backend = _sentencepiece_bpe(tokens, meta)
-    else:
+    elif kind != "gpt2":
         raise StartupError(f"{source}: tokenizer.ggml.model {kind!r} is not supported (gpt2, llama)")
+    first: dict[str, int] = {}
+    for i, t in enumerate(tokens):   # a repeated token would leave an id that no token has
+        if first.setdefault(t, i) != i:
+            raise StartupError(f"{source}: token {i} of tokenizer.ggml.tokens, {t!r}, repeats token {first[t]}")
 
-    backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL])
-    backend.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
+    try:   # tokenizers raises a bare Exception for a vocabulary it cannot build (a merge of unknown tokens...)
+        if kind == "gpt2":
+            backend = _byte_level_bpe(tokens, meta, source)
+        else:
+            backend = _sentencepiece_bpe(tokens, token_id("unknown_token_id"), meta)
+        backend.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL])
+        backend.add_tokens(
+            [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
+        _set_post_processor(backend, meta, kind, tokens, token_id("bos_token_id"), token_id("eos_token_id"))
+    except StartupError:
+        raise
+    except Exception as e:
+        raise StartupError(f"{source}: the tokenizer.ggml metadata is not a vocabulary tokenizers can build: {e}") \
+            from None
 
     def token(key: str) -> str | None:
-        index = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+        index = token_id(key)
+        return tokens[index] if index is not None else None
 
-    bos, eos = token("bos_token_id"), token("eos_token_id")
-    _set_post_processor(backend, meta, kind, tokens)
-
-    end_ids = [meta[f"tokenizer.ggml.{key}"] for key in ("eos_token_id", "eot_token_id", "eom_token_id")
-               if meta.get(f"tokenizer.ggml.{key}") is not None]
+    end_ids = [i for i in map(token_id, ("eos_token_id", "eot_token_id", "eom_token_id")) if i is not None]
     end_ids += [i for i, (t, k) in enumerate(zip(tokens, types)) if k == CONTROL and t in END_OF_GENERATION_TEXTS]
     special = {name: text for name, text in (("pad_token", token("padding_token_id")),
                                              ("unk_token", token("unknown_token_id"))) if text is not None}
-    return Tokenizer(backend, eos_ids=tuple(dict.fromkeys(end_ids)), bos_token=bos, eos_token=eos,
-                     special=special)
+    return Tokenizer(backend, eos_ids=tuple(dict.fromkeys(end_ids)), bos_token=token("bos_token_id"),
+                     eos_token=token("eos_token_id"), special=special)
 
 
 def _byte_level_bpe(tokens: list[str], meta: dict[str, Any], source: str) -> BackendTokenizer:
@@ -114,7 +129,7 @@ def _byte_level_bpe(tokens: list[str], meta: dict[str, Any], source: str) -> Bac
     return backend
 
 
-def _sentencepiece_bpe(tokens: list[str], meta: dict[str, Any]) -> BackendTokenizer:
+def _sentencepiece_bpe(tokens: list[str], unk: int | None, meta: dict[str, Any]) -> BackendTokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = []   # in rank order: by the merged piece's position, then the longer left part first
     for piece in tokens:
@@ -122,7 +137,6 @@ def _sentencepiece_bpe(tokens: list[str], meta: dict[str, Any]) -> BackendTokeni
             left, right = piece[:cut], piece[cut:]
             if left in vocab and right in vocab:
                 merges.append((left, right))
-    unk = meta.get("tokenizer.ggml.unknown_token_id")
     backend = BackendTokenizer(models.BPE(
         vocab, merges, fuse_unk=True, byte_fallback=True,
         unk_token=tokens[unk] if unk is not None else None))
@@ -134,11 +148,11 @@ def _sentencepiece_bpe(tokens: list[str], meta: dict[str, Any]) -> BackendTokeni
     return backend
 
 
-def _set_post_processor(backend: BackendTokenizer, meta: dict[str, Any], kind: str, tokens: list[str]) -> None:
+def _set_post_processor(backend: BackendTokenizer, meta: dict[str, Any], kind: str, tokens: list[str],
+                        bos_id: int | None, eos_id: int | None) -> None:
     # llama.cpp's converter marks byte-level vocabularies add_bos even where the model's own
     # tokenizer adds none (SmolLM2); transformers and tokenizer.json add none there, so only
     # SentencePiece vocabularies honour the flag.
-    bos_id, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     add_bos = kind == "llama" and bool(meta.get("tokenizer.ggml.add_bos_token", True)) and bos_id is not None
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
     if not (add_bos or add_eos):
