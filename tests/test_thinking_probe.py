@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from lse_core.template.diff import added_text, system_frames
 from lse_core.template.probe import probe
 from lse_core.template.render import ChatTemplate
 from lse_core.template.thinking import Thinking
@@ -125,3 +126,18 @@ def test_a_role_tag_that_ends_the_generation_prompt_is_not_reasoning() -> None:
     assert [(level.id, level.opens_reasoning) for level in thinking.levels] == [("high", True)]
     plain = probed(XML_ROLES.replace("<think>", ""))   # the prompt ends with '<assistant>' for every value
     assert (plain.open_marker, plain.supported) == (None, False)
+
+
+def test_an_insertion_is_read_at_word_boundaries() -> None:
+    # "a." + "\n\nb." reads as "a.\n\nb" + "." too: the reading with whitespace at its ends is the text.
+    assert added_text("<s>a.\n\nb.</s>", "<s>a.</s>") == "b."
+    assert added_text("<s>a.</s>", "<s>a.</s>") is None
+    assert added_text("<s>/think</s>", "<s>/no_think</s>") is None          # a deletion adds nothing
+
+
+def test_a_whole_system_message_is_its_text() -> None:
+    baseline = "<s>[SYS]P.[/SYS][U]u[/U]"
+    frames = system_frames(baseline, "<s>[U]u[/U]", "P.")
+    assert ("[SYS]", "[/SYS]") in frames
+    assert added_text("<s>[SYS]Think.[/SYS][SYS]P.[/SYS][U]u[/U]", baseline, frames) == "Think."
+    assert added_text("<s>[SYS]P.[/SYS][SYS]Think.[/SYS][U]u[/U]", baseline, frames) == "Think."
