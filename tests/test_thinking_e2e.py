@@ -31,6 +31,7 @@ from test_api_contract import (
     streamed_text,
     text_of,
 )
+from test_thinking_probe import FIRST as LEVEL_TEXT_FIRST
 
 from lse_core.api import LSE, lse_model_info
 
@@ -296,6 +297,24 @@ def test_switch_on_when_the_default_does_not_think(qwen3: Path, tmp_path: Path) 
         data = reply(lse, {"messages": messages, "enable_thinking": True, "max_tokens": 3, "temperature": 0})
         message = data["choices"][0]["message"]   # the prompt opened the block: the reply is reasoning
         assert message["content"] == "" and message["reasoning_content"]
+
+
+def test_effort_levels_whose_generation_prompt_opens_the_block(qwen3: Path, tmp_path: Path) -> None:
+    """Issue 23: effort levels and no switch, each level's text first in the system prompt, a generation prompt
+    ending in '<think>\\n' and no '</think>' in the template. Each level reports its whole text, renders it, and
+    its reply starts inside the block."""
+    model = with_template(qwen3, tmp_path, LEVEL_TEXT_FIRST)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    with open_engine(model) as lse:
+        levels = lse_model_info(lse)["thinking"]["levels"]
+        assert [(level["id"], level["instruction"], level["opens_reasoning"], level["default"]) for level in levels] \
+            == [("low", "Think briefly.", True, False), ("high", "Think hard.", True, True)]
+        for effort in ("low", "high"):
+            body = {"messages": messages, "reasoning_effort": effort}
+            assert prompt_tokens(lse, body) == \
+                len(prompt_ids(model, LEVEL_TEXT_FIRST, messages, reasoning_effort=effort))
+            message = reply(lse, body | {"max_tokens": 3, "temperature": 0})["choices"][0]["message"]
+            assert message["content"] == "" and message["reasoning_content"]
 
 
 # ---- the reasoning split ----

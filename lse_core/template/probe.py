@@ -8,23 +8,27 @@ each level's instruction, generation prompt and reasoning markers are read off d
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import nodes
 
+from lse_core.template.diff import added_text, appended_prompt, system_frames
 from lse_core.template.reasoning import opens_reasoning
 from lse_core.template.render import ChatTemplate, TemplateLimitError, describe_error, time_limit
 from lse_core.template.thinking import EFFORT, TOGGLE, Level, Thinking
 
 SYSTEM_TEXT = "LSE probe system prompt."
 USER_TEXT = "LSE probe user message."
+REPLY_TEXT = "LSE probe assistant reply."
 CONVERSATIONS = (
     ({"role": "system", "content": SYSTEM_TEXT}, {"role": "user", "content": USER_TEXT}),
     ({"role": "user", "content": USER_TEXT},),
+    ({"role": "user", "content": USER_TEXT}, {"role": "assistant", "content": REPLY_TEXT}),
 )
-WITH_SYSTEM, USER_ONLY = 0, 1
+# The levels are read off the first two; the third only shows which tag frames an assistant turn.
+WITH_SYSTEM, USER_ONLY, WITH_REPLY = 0, 1, 2
 # A tool for templates that render only with tools (the tool_use variants), tried when none fails.
 PROBE_TOOLS = [{"type": "function", "function": {
     "name": "lse_probe", "description": "LSE probe tool.",
@@ -33,6 +37,7 @@ PROBE_TOOLS = [{"type": "function", "function": {
 UNKNOWN_EFFORT = "lse-probe-unknown-effort"
 # XML-style tags (`<think>`, `</think>`); `<|im_start|>`-style special tokens are not reasoning markers.
 TAG = re.compile(r"</?([A-Za-z][\w.-]*)>")
+OPENED_AT_END = re.compile(r"<([A-Za-z][\w.-]*)>\s*$")
 
 _EQUALITY = {"eq", "ne"}
 _EQUALITY_TESTS = {"eq", "equalto", "==", "sameas", "ne", "!="}
@@ -76,7 +81,7 @@ def _plain_renderer(template: ChatTemplate) -> tuple[_Renderer, list[int]]:
     failure = None
     for tools in (None, PROBE_TOOLS):
         renderer = _Renderer(template, tools)
-        usable = [c for c in range(len(CONVERSATIONS)) if isinstance(renderer.render(c, {}), str)]
+        usable = [c for c in (WITH_SYSTEM, USER_ONLY) if isinstance(renderer.render(c, {}), str)]
         if USER_ONLY in usable:
             return renderer, usable
         failure = failure or renderer.render(USER_ONLY, {})
@@ -166,29 +171,7 @@ def effort_candidates(ast: nodes.Template) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-# --- diffs between renderings ------------------------------------------------------------------------------
-
-
-def appended_prompt(with_prompt: str, without_prompt: str) -> str:
-    """What add_generation_prompt=True appends over False."""
-    common = 0
-    while common < min(len(with_prompt), len(without_prompt)) and with_prompt[common] == without_prompt[common]:
-        common += 1
-    return with_prompt[common:]
-
-
-def inserted_before(rendering: str, baseline: str, anchor: str) -> str | None:
-    """Text `rendering` has before `anchor` (the system prompt) that `baseline` lacks, or None."""
-    if anchor not in rendering or anchor not in baseline:
-        return None
-    head, base = rendering[:rendering.index(anchor)], baseline[:baseline.index(anchor)]
-    prefix = 0
-    while prefix < min(len(head), len(base)) and head[prefix] == base[prefix]:
-        prefix += 1
-    suffix = 0
-    while suffix < min(len(head), len(base)) - prefix and head[-1 - suffix] == base[-1 - suffix]:
-        suffix += 1
-    return head[prefix:len(head) - suffix].strip() or None
+# --- reasoning markers -------------------------------------------------------------------------------------
 
 
 def _split_close_tags(ast: nodes.Template) -> list[str]:
@@ -201,21 +184,33 @@ def _split_close_tags(ast: nodes.Template) -> list[str]:
     return tags
 
 
-def reasoning_markers(template: ChatTemplate, prompts: list[str]) -> tuple[str, str] | None:
+def _frames_reply(history: str | None, name: str) -> bool:
+    """The tag encloses the assistant's reply in the history: it is the assistant's turn, not its reasoning."""
+    if history is None or REPLY_TEXT not in history:
+        return False
+    before, after = history.split(REPLY_TEXT, 1)
+    return opens_reasoning(before, (f"<{name}>", f"</{name}>")) and f"</{name}>" in after
+
+
+def reasoning_markers(template: ChatTemplate, prompts: list[str], history: str | None) -> tuple[str, str] | None:
     """The template's reasoning block markers: an XML-style tag pair the template writes in both forms, and
     which it either strips from history (splits on the closing tag) or which the thinking switch adds to the
-    generation prompts. The last such tag in a generation prompt wins; else the first the template splits on."""
+    generation prompts; or a tag a generation prompt ends by opening, since the reply then starts inside it,
+    unless that tag frames the assistant's turn in `history` (a conversation with a reply, rendered). The last
+    such tag in a generation prompt wins; else the first the template splits on."""
     split_names = [TAG.fullmatch(tag)[1] for tag in _split_close_tags(template.ast)]
     tag_sets = [{match[0] for match in TAG.finditer(prompt)} for prompt in prompts]
     switched = {TAG.fullmatch(tag)[1] for tag in set.union(*tag_sets) - set.intersection(*tag_sets)}
-    candidates = switched | set(split_names)
 
     def is_pair(name: str) -> bool:
         return f"<{name}>" in template.source and f"</{name}>" in template.source
 
+    opened = {match[1] for prompt in prompts if (match := OPENED_AT_END.search(prompt))}
+    candidates = {name for name in switched | set(split_names) if is_pair(name)} | \
+        {name for name in opened if not _frames_reply(history, name)}
     for prompt in prompts:
         for match in reversed(list(TAG.finditer(prompt))):
-            if match[1] in candidates and is_pair(match[1]):
+            if match[1] in candidates:
                 return f"<{match[1]}>", f"</{match[1]}>"
     name = next((name for name in split_names if is_pair(name)), None)
     return (f"<{name}>", f"</{name}>") if name else None
@@ -269,16 +264,42 @@ def _probe(template: ChatTemplate) -> Thinking:
     default_id = next((cid for cid, enable, effort in choices if renderings(variables_of(enable, effort)) == plain),
                       None)
     prompts = [prompt_for(variables_of(enable, effort)) for _, enable, effort in choices]
-    markers = reasoning_markers(template, [*prompts, prompt_for({})])
-    baseline = renderer.render(WITH_SYSTEM, {TOGGLE: False} if has_toggle else {}) if WITH_SYSTEM in usable else None
+    history = renderer.render(WITH_REPLY, {}, generation_prompt=False)
+    markers = reasoning_markers(template, [*prompts, prompt_for({})], history if isinstance(history, str) else None)
+    instruction_of = _instructions(renderer, usable, has_toggle)
 
     levels = []
     for (cid, enable, effort), prompt in zip(choices, prompts):
-        rendering = renderer.render(WITH_SYSTEM, variables_of(enable, effort)) if baseline is not None else None
-        instruction = inserted_before(rendering, baseline, SYSTEM_TEXT) if isinstance(rendering, str) else None
-        levels.append(Level(id=cid, enable_thinking=enable, reasoning_effort=effort, instruction=instruction,
+        levels.append(Level(id=cid, enable_thinking=enable, reasoning_effort=effort,
+                            instruction=instruction_of(variables_of(enable, effort)),
                             generation_prompt=prompt, opens_reasoning=opens_reasoning(prompt, markers),
                             default=cid == default_id))
     return Thinking(source=template.path, toggle=TOGGLE if has_toggle else None, effort=EFFORT if efforts else None,
                     levels=tuple(levels), open_marker=markers[0] if markers else None,
                     close_marker=markers[1] if markers else None)
+
+
+def _instructions(renderer: _Renderer, usable: list[int], has_toggle: bool) -> Callable[[dict[str, Any]], str | None]:
+    """A level's instruction, from its variables: all the text its rendering (without the generation prompt,
+    which the level's generation_prompt holds) adds over the rendering without a level. That is thinking off
+    where the template has the switch, else an effort value the template ignores, else (a template that
+    refuses every other value) its rendering with no variables. Read off the conversation with a system
+    prompt when the template takes one; an instruction written as its own system message is its text alone."""
+    conversation = WITH_SYSTEM if WITH_SYSTEM in usable else USER_ONLY
+
+    def text(c: int, variables: dict[str, Any]) -> Rendering:
+        return renderer.render(c, variables, generation_prompt=False)
+
+    no_level = {TOGGLE: False} if has_toggle else {EFFORT: UNKNOWN_EFFORT}
+    if not isinstance(text(conversation, no_level), str):
+        no_level = {}
+    baseline, without_system = text(conversation, no_level), text(USER_ONLY, no_level)
+    frames = system_frames(baseline, without_system, SYSTEM_TEXT) \
+        if conversation == WITH_SYSTEM and isinstance(baseline, str) and isinstance(without_system, str) else []
+
+    def instruction(variables: dict[str, Any]) -> str | None:
+        rendering = text(conversation, variables)
+        if not isinstance(rendering, str) or not isinstance(baseline, str):
+            return None
+        return added_text(rendering, baseline, frames)
+    return instruction

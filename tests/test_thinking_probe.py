@@ -1,0 +1,143 @@
+"""The thinking probe on synthetic templates: a level's instruction is all the text the level adds, wherever the
+template writes it, and opens_reasoning says whether that level's generation prompt leaves a reasoning block open.
+Each expectation is read off the template above it, not produced by the probe."""
+
+from __future__ import annotations
+
+import pytest
+
+from lse_core.template.diff import added_text, system_frames
+from lse_core.template.probe import probe
+from lse_core.template.render import ChatTemplate
+from lse_core.template.thinking import Thinking
+
+# Effort levels low and high, no switch; unset is high. The two texts share their first word.
+EFFORT = r"""
+{%- set effort = reasoning_effort | default('high') %}
+{%- set level_text = 'Think briefly. ' if effort == 'low' else 'Think hard. ' if effort == 'high' else '' %}"""
+TURNS = r"""
+{%- for m in messages %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{% endfor %}"""
+OPEN_THINK = r"""
+{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n' }}{% endif %}"""
+
+# The case issue 23 found: the level's text goes first in the system prompt, and no </think> in the template.
+FIRST = EFFORT + r"""
+{%- for m in messages %}
+{{- '<|im_start|>' + m.role + '\n' + (level_text if m.role == 'system' else '') + m.content + '<|im_end|>\n' }}
+{%- endfor %}""" + OPEN_THINK
+LAST = EFFORT + r"""
+{%- for m in messages %}
+{{- '<|im_start|>' + m.role + '\n' + m.content + ('\n\n' + level_text if m.role == 'system' else '') }}
+{{- '<|im_end|>\n' }}
+{%- endfor %}""" + OPEN_THINK
+INSIDE = EFFORT + r"""
+{%- for m in messages %}
+{%- if m.role == 'system' %}
+{{- '<|im_start|>system\n# Rules\nAnswer kindly.\n' + level_text + '\n# From the user\n' + m.content + '<|im_end|>\n' }}
+{%- else %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{% endif %}
+{%- endfor %}""" + OPEN_THINK
+OWN_SYSTEM_MESSAGE = EFFORT + r"""
+{%- if level_text %}{{ '<|im_start|>system\n' + level_text + '<|im_end|>\n' }}{% endif %}""" + TURNS + OPEN_THINK
+# No system role: the level's text goes first in the first user turn.
+NO_SYSTEM_ROLE = EFFORT + r"""
+{%- for m in messages %}
+{%- if m.role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}
+{{- '<|im_start|>' + m.role + '\n' + (level_text if loop.first else '') + m.content + '<|im_end|>\n' }}
+{%- endfor %}""" + OPEN_THINK
+# The switch and effort levels: thinking on puts the level's text first, off closes the block at once.
+TOGGLE_AND_LEVELS = r"""
+{%- set thinking = enable_thinking is not defined or enable_thinking %}
+{%- set effort = reasoning_effort | default('high') %}
+{%- set level_text = '' %}
+{%- if thinking and effort == 'low' %}{% set level_text = 'Think briefly.\n\n' %}
+{%- elif thinking and effort == 'high' %}{% set level_text = 'Think hard.\n\n' %}{% endif %}
+{%- for m in messages %}
+{{- '<|im_start|>' + m.role + '\n' + (level_text if m.role == 'system' else '') + m.content + '<|im_end|>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\n' + ('<think>\n' if thinking else '<think>\n\n</think>\n\n') }}
+{%- endif %}"""
+# Only high opens the block in its generation prompt; low leaves thinking to the model.
+OPENS_FOR_SOME = FIRST.replace(OPEN_THINK, r"""
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\n' + ('<think>\n\n' if effort == 'high' else '') }}
+{%- endif %}""")
+# The level writes text in two places: first in the system prompt, and after the user's message.
+TWO_PLACES = EFFORT + r"""
+{%- set reminder = {'low': '\n(Be quick.)', 'high': '\n(Take your time.)'}.get(effort, '') %}
+{%- for m in messages %}
+{{- '<|im_start|>' + m.role + '\n' + (level_text if m.role == 'system' else '') + m.content }}
+{{- (reminder if m.role == 'user' else '') + '<|im_end|>\n' }}
+{%- endfor %}""" + OPEN_THINK
+# XML-style role tags: the generation prompt ends by opening the assistant's turn, which is not reasoning.
+XML_ROLES = r"""
+{%- set effort = reasoning_effort | default('high') %}
+{%- for m in messages %}{{ '<' + m.role + '>' + m.content + '</' + m.role + '>\n' }}{% endfor %}
+{%- if add_generation_prompt %}{{ '<assistant>' + ('<think>' if effort == 'high' else '') }}{% endif %}"""
+
+
+def probed(source: str) -> Thinking:
+    return probe(ChatTemplate(source, "synthetic.jinja"))
+
+
+def levels_of(thinking: Thinking) -> list[tuple[str, str | None, bool, bool]]:
+    return [(level.id, level.instruction, level.opens_reasoning, level.default) for level in thinking.levels]
+
+
+@pytest.mark.parametrize("source", [FIRST, LAST, INSIDE, OWN_SYSTEM_MESSAGE, NO_SYSTEM_ROLE],
+                         ids=["first", "last", "inside", "own system message", "no system role"])
+def test_each_level_gets_its_whole_text_wherever_it_stands(source: str) -> None:
+    thinking = probed(source)
+    assert (thinking.toggle, thinking.effort, thinking.default_level.id) == (None, "reasoning_effort", "high")
+    assert levels_of(thinking) == [("low", "Think briefly.", True, False), ("high", "Think hard.", True, True)]
+
+
+def test_the_issue_template_opens_the_block_it_never_closes() -> None:
+    thinking = probed(FIRST)
+    assert (thinking.open_marker, thinking.close_marker) == ("<think>", "</think>")
+    assert [level.generation_prompt for level in thinking.levels] == ["<|im_start|>assistant\n<think>\n"] * 2
+
+
+def test_a_switch_and_levels() -> None:
+    thinking = probed(TOGGLE_AND_LEVELS)
+    assert (thinking.toggle, thinking.effort, thinking.default_level.id) == ("enable_thinking", "reasoning_effort",
+                                                                             "high")
+    assert levels_of(thinking) == [("none", None, False, False), ("low", "Think briefly.", True, False),
+                                   ("high", "Think hard.", True, True)]
+    assert thinking.level("none").generation_prompt == "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def test_opens_reasoning_per_level() -> None:
+    thinking = probed(OPENS_FOR_SOME)
+    assert levels_of(thinking) == [("low", "Think briefly.", False, False), ("high", "Think hard.", True, True)]
+    assert (thinking.open_marker, thinking.close_marker) == ("<think>", "</think>")
+    assert [level.generation_prompt for level in thinking.levels] == \
+        ["<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n\n"]
+
+
+def test_text_in_two_places_is_both_parts() -> None:
+    assert levels_of(probed(TWO_PLACES)) == [("low", "Think briefly.\n(Be quick.)", True, False),
+                                             ("high", "Think hard.\n(Take your time.)", True, True)]
+
+
+def test_a_role_tag_that_ends_the_generation_prompt_is_not_reasoning() -> None:
+    thinking = probed(XML_ROLES)
+    assert (thinking.open_marker, thinking.close_marker) == ("<think>", "</think>")
+    assert [(level.id, level.opens_reasoning) for level in thinking.levels] == [("high", True)]
+    plain = probed(XML_ROLES.replace("<think>", ""))   # the prompt ends with '<assistant>' for every value
+    assert (plain.open_marker, plain.supported) == (None, False)
+
+
+def test_an_insertion_is_read_at_word_boundaries() -> None:
+    # "a." + "\n\nb." reads as "a.\n\nb" + "." too: the reading with whitespace at its ends is the text.
+    assert added_text("<s>a.\n\nb.</s>", "<s>a.</s>") == "b."
+    assert added_text("<s>a.</s>", "<s>a.</s>") is None
+    assert added_text("<s>/think</s>", "<s>/no_think</s>") is None          # a deletion adds nothing
+
+
+def test_a_whole_system_message_is_its_text() -> None:
+    baseline = "<s>[SYS]P.[/SYS][U]u[/U]"
+    frames = system_frames(baseline, "<s>[U]u[/U]", "P.")
+    assert ("[SYS]", "[/SYS]") in frames
+    assert added_text("<s>[SYS]Think.[/SYS][SYS]P.[/SYS][U]u[/U]", baseline, frames) == "Think."
+    assert added_text("<s>[SYS]P.[/SYS][SYS]Think.[/SYS][U]u[/U]", baseline, frames) == "Think."
