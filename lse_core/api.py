@@ -124,8 +124,8 @@ def _check_deterministic(devices: list[Device]) -> None:
     """--deterministic runs only on devices whose kernels compute every row alike whatever the batch."""
     unable = [d.info.name for d in devices if not d.deterministic]
     if unable:
-        raise StartupError(f"--deterministic is not supported by {', '.join(unable)}: its kernels' results depend "
-                           "on the batch; run without it, or on a pool of jit:0 or cpu:0")
+        raise StartupError(f"--deterministic is not supported by {', '.join(unable)}: its kernels do not promise "
+                           "results independent of the batch; run without it, or with --pool jit:0 or cpu:0")
 
 
 def lse_open(config: LSEConfig | dict[str, Any] | None = None) -> LSE | None:

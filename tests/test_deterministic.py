@@ -213,9 +213,12 @@ def test_the_engine_replies_alike_cached_and_batched(lse: LSE, sampling: dict) -
     assert reply(first) == reply(repeat) == reply(crowded)
 
 
-def test_a_device_that_cannot_is_refused_at_startup(small_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The hrx plugin's device does not declare the mode: it is named in the startup error."""
+@pytest.mark.parametrize("pool", ["opencl:0", "hrx:0", "jit:0,opencl:0"])
+def test_a_device_that_cannot_is_refused_at_startup(small_gguf: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    pool: str) -> None:
+    """OpenCL's and the hrx plugin's devices do not declare the mode: the startup error names them."""
     monkeypatch.setenv("HRX_DEVICES", "1")
     monkeypatch.setenv("HRX_MISSING", "")
-    with pytest.raises(StartupError, match=r"--deterministic is not supported by hrx:0"):
-        lse_open_or_raise({"model": str(small_gguf), "pool": "hrx:0", "kv_len": 64, "deterministic": True})
+    device = pool.split(",")[-1]
+    with pytest.raises(StartupError, match=rf"--deterministic is not supported by {device}: "):
+        lse_open_or_raise({"model": str(small_gguf), "pool": pool, "kv_len": 64, "deterministic": True})
