@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 from checkpoints import greedy_sampling, make_step
 from test_gguf import write_small_gguf
+from test_quant_kernels import gguf_weight, prepared
 
+import lse_backends.jit.quant as quant
 from lse_backends.cpu import CPUDevice
 from lse_backends.jit import JitDevice
 from lse_core.api import LSE, lse_close, lse_open_or_raise, lse_request, lse_request_iter
@@ -165,6 +167,23 @@ def test_without_the_mode_the_bits_differ(device_name: str, small_gguf: Path) ->
     outcomes = [same_bits(cached(default), reference), same_bits(batched(default, 3), reference),
                 same_bits(alone(default, 3), reference)]
     assert not all(outcomes), "no case changed a bit: the tests above would pass without --deterministic"
+
+
+@pytest.mark.parametrize("qtype, rows, n", [("Q4_0", 37, 320), ("Q4_1", 600, 256), ("Q8_0", 37, 320),
+                                             ("Q4_K", 37, 768), ("Q6_K", 200, 256), ("Q5_K", 37, 768)])
+def test_each_row_of_a_quantized_linear_is_its_one_row_product(qtype: str, rows: int, n: int) -> None:
+    """Every weight type jit:0 reads in place, rows in groups and the rows % 8 kept as stored, at step sizes
+    that reach every tile and panel by default: row_invariant gives each row the bits of a one-row step."""
+    blocks, _ = gguf_weight(qtype, rows, n)
+    kind, laid_out = prepared(qtype, blocks)
+    x = np.random.default_rng(2).standard_normal((40, n)).astype(np.float32)
+    alone = np.empty((40, rows), np.float32)
+    for t in range(40):
+        quant.linear(kind, laid_out, x[t:t + 1], alone[t:t + 1])
+    for tokens in (2, 3, 8, 16, 17, 40):
+        out = np.empty((tokens, rows), np.float32)
+        quant.linear(kind, laid_out, x[:tokens], out, True)
+        np.testing.assert_array_equal(out.view(np.uint32), alone[:tokens].view(np.uint32), err_msg=f"{tokens} rows")
 
 
 # ---- through lse_open: the option, the engine, seeded sampling, the refusal ----

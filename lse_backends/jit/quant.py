@@ -47,6 +47,12 @@ Drivers: a product splits into work items, each a range of row groups that every
 (the range's weights stay in cache while the tiles pass); the tiles prefetch the weight stream ahead.
 ``linear_item`` runs one item (programs hand items to their threads; ``linear_pairs`` a range of row
 groups), ``linear`` all of them.
+
+Row-invariant (--deterministic): which tile a row meets depends on the step's row count, and the int8 tiles,
+the float32 register tiles of one token and of four, and the panels each round differently. With
+``row_invariant`` every step takes the path of a one-token step, int8 tiles for Q4 (a row's result is the
+same in a tile of one token or four) and one-token register tiles for the others, so a row's bits do not
+depend on the other rows. The measured cost is small (benchmarks/deterministic.py).
 """
 
 from __future__ import annotations
