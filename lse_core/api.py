@@ -107,8 +107,10 @@ def lse_open_or_raise(config: LSEConfig | dict[str, Any] | None = None) -> LSE:
     devices = open_devices(registry, infos)
     fallback = FallbackLog(allowed=not refused)
     interpreter = None if refused else open_interpreter(registry)
+    if config.deterministic:
+        _check_deterministic(devices + ([interpreter] if interpreter else []))
     ctx = CompileContext(kv_slots=config.parallel, kv_len=context_length,
-                         max_tokens=max(config.prefill_chunk, config.parallel))
+                         max_tokens=max(config.prefill_chunk, config.parallel), deterministic=config.deterministic)
     # the devices hold the weights as they lay them out: the file's pages go as each group compiles
     plan = Plan.build(graph, devices, ctx, interpreter, not refused, fallback.record, model.release_file_pages)
     _log_plan(plan)
@@ -116,6 +118,14 @@ def lse_open_or_raise(config: LSEConfig | dict[str, Any] | None = None) -> LSE:
     grammars = structured.GrammarTokenizer(model.tokenizer, _logits_width(graph))
     return LSE(config, model, _model_id(model), template, thinking, defaults, context_length, registry,
                devices, plan, engine, fallback, warnings, grammars)
+
+
+def _check_deterministic(devices: list[Device]) -> None:
+    """--deterministic runs only on devices whose kernels compute every row alike whatever the batch."""
+    unable = [d.info.name for d in devices if not d.deterministic]
+    if unable:
+        raise StartupError(f"--deterministic is not supported by {', '.join(unable)}: its kernels do not promise "
+                           "results independent of the batch; run without it, or with --pool jit:0 or cpu:0")
 
 
 def lse_open(config: LSEConfig | dict[str, Any] | None = None) -> LSE | None:

@@ -25,12 +25,15 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="context length in tokens (default: the model's, at most 4096)")
     p.add_argument("--pool", help="devices, e.g. gpu:0 or opencl:0,cpu:0 (default: the devices that come up)")
     p.add_argument("--no-cpu-fallback", action="store_true", help="refuse to run any operation on the CPU interpreter")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels: a request's output does not depend on prefix caching or on the "
+                        "requests it runs with (slower; backends that cannot refuse to start)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
 def config_from_args(args: argparse.Namespace, **extra: Any) -> LSEConfig:
     return LSEConfig(model=args.model, kv_len=args.kv_len, pool=args.pool,
-                     disable_cpu_fallback=args.no_cpu_fallback, **extra)
+                     disable_cpu_fallback=args.no_cpu_fallback, deterministic=args.deterministic, **extra)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ class LSEConfig:
     parallel: int = 4                 # sequences decoded together in one batch (KV slots)
     max_queue: int = 64               # requests waiting for a slot before new ones get 503
     prefill_chunk: int = 512          # prompt tokens processed per engine step
+    deterministic: bool = False       # greedy output independent of prefix caching, batching and chunking
 
     @property
     def cpu_fallback_refused(self) -> bool:

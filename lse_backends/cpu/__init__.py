@@ -39,6 +39,7 @@ class Program:
 
 class CPUDevice(Device):
     info = DeviceInfo("cpu", 0, "cpu", codegen=False, description="numpy interpreter (float32)")
+    deterministic = True   # its linears and attention then go a row at a time (kernels.py)
 
     def __init__(self) -> None:
         # (id(source weight), transposed) -> (source, float32 array): a tensor read by several groups

@@ -127,7 +127,12 @@ def linear(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeKer
 
     def run(inputs: Sequence[np.ndarray], step: Step) -> np.ndarray:
         (x,) = inputs
-        out = np.matmul(x, weight_t, out=buffer.take(x.shape[0], width))
+        out = buffer.take(x.shape[0], width)
+        if ctx.deterministic:  # a GEMV per row: BLAS picks its kernel, and so its sums' order, by the row count
+            for t in range(x.shape[0]):
+                np.matmul(x[t], weight_t, out=out[t])
+        else:
+            np.matmul(x, weight_t, out=out)
         if bias is not None:
             out += bias
         return out
@@ -208,7 +213,11 @@ def attention(node: Node, params: list[np.ndarray], ctx: CompileContext) -> Node
         q, k, v = inputs
         out = buffer.take(q.shape[0], n_heads * head_dim)
         for slot, r0, r1, positions in sequences_of(step):
-            _attend(q[r0:r1], k[r0:r1], v[r0:r1], k_cache[slot], v_cache[slot], positions, out[r0:r1])
+            if ctx.deterministic:  # each row as a decode row: the products' shapes would pick BLAS's kernels
+                for r, position in zip(range(r0, r1), positions):
+                    _attend(q[r:r + 1], k[r:r + 1], v[r:r + 1], k_cache[slot], v_cache[slot], [position], out[r:r + 1])
+            else:
+                _attend(q[r0:r1], k[r0:r1], v[r0:r1], k_cache[slot], v_cache[slot], positions, out[r0:r1])
         return out
 
     def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, values: np.ndarray,

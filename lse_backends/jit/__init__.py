@@ -34,7 +34,10 @@ log = logging.getLogger("lse")
 class JitDevice(Device):
     """jit:0. Every model group compiles to a Program (program.py): instructions that one @njit call runs,
     with generated functions for elementwise groups; the planner links consecutive groups into one
-    program. Sampling groups are kernels of their own (sampling.py)."""
+    program. Sampling groups are kernels of their own (sampling.py). Deterministic: the kernels are
+    row-independent but for the quantized linears' paths, which then follow one row's (quant._groups)."""
+
+    deterministic = True
 
     def __init__(self) -> None:
         self.info = DeviceInfo("jit", 0, "cpu", codegen=True, description=(
@@ -76,7 +79,8 @@ class JitDevice(Device):
         else:
             node = group.nodes[0]
             instructions = [factory(self, node, [weights[p] for p in node.params], ctx)]
-        return program.Program(instructions, group.inputs, group.outputs, ctx.max_tokens, ctx.kv_len, ctx.kv_slots)
+        return program.Program(instructions, group.inputs, group.outputs, ctx.max_tokens, ctx.kv_len, ctx.kv_slots,
+                               ctx.deterministic)
 
     def can_link(self, kernel: Kernel) -> bool:
         return isinstance(kernel, program.Program)

@@ -58,7 +58,7 @@ _INDICES, _STEP = types.int64[::1], types.int32[::1]  # int64 counts and counter
 _WORK_SIGNATURE = types.void(
     types.int64[:, ::1], types.float32[:, ::1], *[types.ListType(_LIST_TYPES[kind]) for kind in ("acts", "flats")],
     _INDICES, *[types.ListType(_LIST_TYPES[kind]) for kind in ("mats", "qmats", "vecs", "caches", "fns")],
-    _STEP, _STEP, _INDICES, _STEP, _INDICES, types.int64, types.int64)
+    _STEP, _STEP, _INDICES, _STEP, _INDICES, types.int64, types.int64, types.boolean)
 
 
 # only the thread loop becomes parallel code: numba's other parallel rewrites (array expressions, slices)
@@ -165,7 +165,7 @@ def _items(c, phase, n, acts, mats, qmats, caches, n_threads):
 
 @njit(cache=True, nogil=True)
 def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, caches, fns, tokens, positions,
-         row_slot, sample_rows, scratch):
+         row_slot, sample_rows, scratch, row_invariant):
     """Work item ``item`` of ``n_items`` of instruction ``c``'s phase, on n rows."""
     op, out = c[0], c[OUT]
     t0, t1 = _span(n, n_items, item)  # the item's rows, for the row-wise ops
@@ -195,7 +195,7 @@ def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, cac
             if max(p0, first) < min(p1, first + pairs):
                 y = acts[c[OUT + part]][:n]
                 r0, r1 = quant.linear_pairs(c[ARG + 1], weight, x, y, max(p0, first) - first,
-                                            min(p1, first + pairs) - first, scratch)
+                                            min(p1, first + pairs) - first, scratch, row_invariant)
                 _add_bias(vecs, c[_bias_arg(part)], y, r0, r1)
             first += pairs
     elif op == ATTENTION and phase == 0:
@@ -220,7 +220,7 @@ def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, cac
 
 @njit(_WORK_SIGNATURE, cache=True, nogil=True)
 def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tokens, positions, row_slot,
-          sample_rows, counters, n_threads, thread):
+          sample_rows, counters, n_threads, thread, row_invariant):
     """Thread ``thread``'s part. Each task (an instruction, or one of its phases) starts once the one
     before it is done. A task of one item is thread 0's: the other threads go on to the next task of
     several, so a chain of small ops costs them one wait, not one each. The items of a task of several
@@ -231,7 +231,7 @@ def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tok
     widest = 0
     for a in acts:
         widest = max(widest, a.shape[1])
-    scratch = quant.activation_scratch(tokens.shape[0], widest)  # this thread's int8 activations
+    scratch = quant.activation_scratch(tokens.shape[0], widest, row_invariant)  # this thread's int8 activations
     quantized_for = -1  # the instruction they are for
     before, before_items = -1, 0  # the task before: its done counter and item count
     for k in range(code.shape[0]):
@@ -248,10 +248,10 @@ def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tok
                     item = first + atomics.fetch_add(counters, done + (owner + 1) * LINE, 1)
                     while item < end:
                         if c[0] == LINEAR_Q and quantized_for != k:  # once per instruction and thread
-                            quant.quantize_activations(c[ARG + 1], acts[c[IN]][:n], scratch)
+                            quant.quantize_activations(c[ARG + 1], acts[c[IN]][:n], scratch, row_invariant)
                             quantized_for = k
                         _run(c, phase, item, n_items, n, floats[k, 0], acts, flats, mats, qmats, vecs, caches, fns,
-                             tokens, positions, row_slot, sample_rows, scratch)
+                             tokens, positions, row_slot, sample_rows, scratch, row_invariant)
                         atomics.fetch_add(counters, done, 1)  # after the item's writes: whoever sees it sees them
                         item = first + atomics.fetch_add(counters, done + (owner + 1) * LINE, 1)
             before, before_items = done, n_items
@@ -259,10 +259,11 @@ def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tok
 
 @njit(cache=True, nogil=True, parallel=_THREADS_ONLY)
 def execute(work, code, floats, acts, flats, rows, mats, qmats, vecs, caches, fns,
-            tokens, positions, slots, query_starts, sample_rows, counters, n_threads):
+            tokens, positions, slots, query_starts, sample_rows, counters, n_threads, row_invariant):
     """Run every instruction in order on ``n_threads`` threads (numba's count: each gets one part).
     ``rows`` holds each value's live row count (set for the inputs); ``counters`` has at least
-    ``counter_size(n_instructions, n_threads)`` int64s; ``work`` is ``work_list()``."""
+    ``counter_size(n_instructions, n_threads)`` int64s; ``work`` is ``work_list()``; ``row_invariant``:
+    each row computed as a one-token step computes it (quant._groups), whatever else the step holds."""
     row_slot = np.empty(tokens.shape[0], np.int64)  # each token row's KV cache slot
     for i in range(slots.shape[0]):
         row_slot[query_starts[i]:query_starts[i + 1]] = slots[i]
@@ -278,7 +279,7 @@ def execute(work, code, floats, acts, flats, rows, mats, qmats, vecs, caches, fn
     # of waking them for each parallel op (hundreds a step)
     for thread in prange(n_threads):  # np.int64: numba types the index unsigned when it lowers the loop
         work[0](code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tokens, positions, row_slot,
-                sample_rows, counters, n_threads, np.int64(thread))
+                sample_rows, counters, n_threads, np.int64(thread), row_invariant)
 
 
 _WORK_TYPE = types.FunctionType(_WORK_SIGNATURE)
@@ -327,8 +328,9 @@ class Program:
     """A Kernel: instructions for groups in order, reading ``inputs`` and returning ``outputs``."""
 
     def __init__(self, instructions: Sequence[Instruction], inputs: Sequence[str], outputs: Sequence[str],
-                 capacity: int, kv_len: int, kv_slots: int) -> None:
+                 capacity: int, kv_len: int, kv_slots: int, row_invariant: bool = False) -> None:
         self.instructions = list(instructions)
+        self.row_invariant = row_invariant
         self.inputs, self.outputs = tuple(inputs), tuple(outputs)
         self.capacity, self.kv_len, self.kv_slots = capacity, kv_len, kv_slots
         self.vocab = min((i.vocab for i in self.instructions if i.vocab), default=0)
@@ -406,7 +408,8 @@ class Program:
         indices = [np.ascontiguousarray(a, np.int32) for a in  # _work's signature: int32, contiguous
                    (step.tokens, step.positions, step.slots, step.query_starts, step.sample_rows)]
         execute(work_list(), self.code, self.floats, self.typed_acts, self.typed_flats, self.rows, lists["mats"],
-                lists["qmats"], lists["vecs"], lists["caches"], lists["fns"], *indices, self.counters, n_threads)
+                lists["qmats"], lists["vecs"], lists["caches"], lists["fns"], *indices, self.counters, n_threads,
+                self.row_invariant)
         return [self.acts[self.slot[name]][:self.rows[self.slot[name]]] for name in self.outputs]
 
     def _check(self, step: Step) -> None:
@@ -423,7 +426,7 @@ def link(programs: Sequence[Program], inputs: Sequence[str], outputs: Sequence[s
     """One program running ``programs`` in order (their groups were consecutive on jit:0)."""
     first = programs[0]
     return Program(_merge_linears([i for p in programs for i in p.instructions]), inputs, outputs, first.capacity,
-                   first.kv_len, first.kv_slots)
+                   first.kv_len, first.kv_slots, first.row_invariant)
 
 
 def _merge_linears(instructions: list[Instruction]) -> list[Instruction]:

@@ -47,6 +47,12 @@ Drivers: a product splits into work items, each a range of row groups that every
 (the range's weights stay in cache while the tiles pass); the tiles prefetch the weight stream ahead.
 ``linear_item`` runs one item (programs hand items to their threads; ``linear_pairs`` a range of row
 groups), ``linear`` all of them.
+
+Row-invariant (--deterministic): which tile a row meets depends on the step's row count, and the int8 tiles,
+the float32 register tiles of one token and of four, and the panels each round differently. With
+``row_invariant`` every step takes the path of a one-token step, int8 tiles for Q4 (a row's result is the
+same in a tile of one token or four) and one-token register tiles for the others, so a row's bits do not
+depend on the other rows. The measured cost is small (benchmarks/deterministic.py).
 """
 
 from __future__ import annotations
@@ -488,25 +494,35 @@ def _int8_kind(kind):
     return kind == Q4_0 or kind == Q4_1 or kind == Q4_K
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _int8_step(kind, n_tokens, row_invariant):
+    """Whether x of n_tokens rows meets this weight as int8: Q4 in steps of up to INT8_TOKENS, or of any
+    size when every row must be computed alike (an int8 tile's row is the same whatever its tile holds)."""
+    return _int8_kind(kind) and (n_tokens <= INT8_TOKENS or row_invariant)
+
+
 @njit(cache=True, nogil=True)
-def _groups(kind, w, x, out, g0, g1, scratch):
+def _groups(kind, w, x, out, g0, g1, scratch, row_invariant=False):
     """Row groups g0 .. g1 - 1 against every token (see INT8_TOKENS):
     - Q4 int8 tiles, on the activations in scratch (``quantize_activations``), of one token each up to
-      ONE_TOKEN_PASSES tokens, else of four, a group meeting all the token tiles while its weights are in
-      L1;
+      ONE_TOKEN_PASSES tokens, else of four, a group meeting the token tiles of INT8_TOKENS tokens at a
+      time while its weights are in L1;
     - Q8_0 (and Q6_K, Q5_K) register tiles of one token or four, token tiles outer, so that the groups'
       weights stay in cache while the tiles pass;
     - or each pair of groups decoded once to a float32 panel (16 rows x n, in cache) that 4-token panel
       tiles multiply.
-    Tiles past the last token are clamped to it."""
+    Tiles past the last token are clamped to it. ``row_invariant``: every row as a one-token step computes
+    it (int8 tiles for Q4 and one-token register tiles for the others, at any step size), so a row's
+    result does not depend on the step's other rows."""
     n_tokens = x.shape[0]
-    if _int8_kind(kind) and n_tokens <= INT8_TOKENS:
+    if _int8_step(kind, n_tokens, row_invariant):
         tokens = 1 if n_tokens <= ONE_TOKEN_PASSES else 4
-        for g in range(g0, g1):
-            for t in range(0, n_tokens, tokens):
-                _int8_tile(kind, tokens, w, g, g1 - 1, x, scratch, t, out)
-    elif not _int8_kind(kind) and n_tokens < PANEL_TOKENS:
-        tokens = 1 if n_tokens <= ONE_TOKEN_PASSES else 4
+        for t0 in range(0, n_tokens, INT8_TOKENS):
+            for g in range(g0, g1):
+                for t in range(t0, min(n_tokens, t0 + INT8_TOKENS), tokens):
+                    _int8_tile(kind, tokens, w, g, g1 - 1, x, scratch, t, out)
+    elif not _int8_kind(kind) and (n_tokens < PANEL_TOKENS or row_invariant):
+        tokens = 1 if n_tokens <= ONE_TOKEN_PASSES or row_invariant else 4
         for t in range(0, n_tokens, tokens):
             for g in range(g0, g1):
                 if kind == Q6_K and tokens == 1:
@@ -530,17 +546,18 @@ def _groups(kind, w, x, out, g0, g1, scratch):
 
 
 @njit(cache=True, nogil=True)
-def activation_scratch(n_tokens: int, width: int) -> np.ndarray:
+def activation_scratch(n_tokens: int, width: int, row_invariant: bool = False) -> np.ndarray:
     """Scratch for ``quantize_activations`` of up to n_tokens rows of up to ``width`` activations (a
     thread's own: each thread quantizes what it multiplies)."""
-    return np.empty((min(INT8_TOKENS, n_tokens), int8.activation_width(width)), np.float32)
+    rows = n_tokens if row_invariant else min(INT8_TOKENS, n_tokens)
+    return np.empty((rows, int8.activation_width(width)), np.float32)
 
 
 @njit(cache=True, nogil=True)
-def quantize_activations(kind: int, x: np.ndarray, scratch: np.ndarray) -> None:
-    """What the Q4 int8 tiles read: x (of up to INT8_TOKENS rows) as int8 in scratch (``activation_scratch``;
-    ``int8.quantize``). Other kinds and steps: nothing."""
-    if _int8_kind(kind) and x.shape[0] <= INT8_TOKENS:
+def quantize_activations(kind: int, x: np.ndarray, scratch: np.ndarray, row_invariant: bool = False) -> None:
+    """What the Q4 int8 tiles read: x (of up to INT8_TOKENS rows, or any number ``row_invariant``) as int8
+    in scratch (``activation_scratch``; ``int8.quantize``). Other kinds and steps: nothing."""
+    if _int8_step(kind, x.shape[0], row_invariant):
         int8.quantize(x, scratch)
 
 
@@ -567,17 +584,17 @@ def linear_items(n_rows: int, x: np.ndarray) -> int:
 
 @njit(cache=True, nogil=True)
 def linear_pairs(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, p0: int, p1: int,
-                 scratch: np.ndarray) -> tuple[int, int]:
+                 scratch: np.ndarray, row_invariant: bool = False) -> tuple[int, int]:
     """Pairs of row groups p0 .. p1 - 1 of out = x @ W.T (of ``linear_items_most`` pairs) and, in the range
     that ends with the last pair, the rows % 8 kept as GGUF stored them (dequantized and dotted one by one).
     Returns the rows written. ``scratch``: what ``quantize_activations`` wrote for x."""
     n_rows = blocks.shape[0]
     full_groups = n_rows // GROUP
     g0, g1 = min(full_groups, 2 * p0), min(full_groups, 2 * p1)
-    _groups(kind, blocks, x, out, g0, g1, scratch)
+    _groups(kind, blocks, x, out, g0, g1, scratch, row_invariant)
     if p1 < linear_items_most(n_rows) or n_rows % GROUP == 0:
         return g0 * GROUP, g1 * GROUP
-    if _int8_kind(kind) and x.shape[0] <= INT8_TOKENS:  # these rows see what the tiles saw
+    if _int8_step(kind, x.shape[0], row_invariant):  # these rows see what the tiles saw
         x = int8.dequantize(x, scratch)
     weights = np.empty(x.shape[1], np.float32)
     for row in range(full_groups * GROUP, n_rows):
@@ -588,28 +605,30 @@ def linear_pairs(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, 
 
 @njit(cache=True, nogil=True)
 def linear_item(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, item: int, n_items: int,
-                scratch: np.ndarray) -> tuple[int, int]:
+                scratch: np.ndarray, row_invariant: bool = False) -> tuple[int, int]:
     """Work item ``item`` of ``n_items`` of out = x @ W.T (``linear_pairs`` of its share of the pairs)."""
     pairs = linear_items_most(blocks.shape[0])
-    return linear_pairs(kind, blocks, x, out, pairs * item // n_items, pairs * (item + 1) // n_items, scratch)
+    return linear_pairs(kind, blocks, x, out, pairs * item // n_items, pairs * (item + 1) // n_items, scratch,
+                        row_invariant)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def linear(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+def linear(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, row_invariant: bool = False) -> None:
     """out[T, rows] = x[T, n] @ W.T for W laid out by ``prepare`` (kind, blocks); x and out float32,
     C-contiguous, out not aliasing x. Its work items run in parallel (programs run them on their own
-    threads instead, program.py)."""
+    threads instead, program.py). ``row_invariant``: each row of out as a one-row product gives it
+    (``_groups``)."""
     if (blocks.shape[1] != x.shape[1] // BLOCK * LAYOUT[kind][0] or x.shape[1] % BLOCK
             or out.shape != (x.shape[0], blocks.shape[0])):
         raise ValueError("linear: weight, activation and output shapes disagree")
     n_items = linear_items(blocks.shape[0], x)
-    scratch = activation_scratch(x.shape[0], x.shape[1])
-    quantize_activations(kind, x, scratch)
+    scratch = activation_scratch(x.shape[0], x.shape[1], row_invariant)
+    quantize_activations(kind, x, scratch, row_invariant)
     if n_items == 1:  # the calling thread alone beats waking the others
-        linear_item(kind, blocks, x, out, 0, 1, scratch)
+        linear_item(kind, blocks, x, out, 0, 1, scratch, row_invariant)
     else:
         for item in prange(n_items):
-            linear_item(kind, blocks, x, out, item, n_items, scratch)
+            linear_item(kind, blocks, x, out, item, n_items, scratch, row_invariant)
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "nsz"})

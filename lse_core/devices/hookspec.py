@@ -49,10 +49,15 @@ class CompileContext:
     kv_slots: int      # sequences held at once (KV-cache slots)
     kv_len: int        # positions per slot (the context length)
     max_tokens: int    # most rows (tokens) in one step
+    # every row computed by the same arithmetic whatever else the step holds (its row count, the other
+    # sequences, where a prefill chunk starts): only devices whose ``deterministic`` is True are given it
+    deterministic: bool = False
 
 
 class Device(ABC):
     info: DeviceInfo
+    # whether its kernels honour CompileContext.deterministic (lse_open refuses the mode otherwise)
+    deterministic: bool = False
 
     @abstractmethod
     def compile(self, group: FusedGroup, weights: Mapping[str, Any], ctx: CompileContext) -> Kernel | str:
