@@ -277,7 +277,7 @@ class _ReplyBuilder:
         prompt_n = len(seq.params.prompt) - seq.cached
         first = seq.t_first_token or seq.t_end
         timings = protocol.Timings(prompt_n, _ms(first - seq.t_admit), len(seq.output), _ms(seq.t_end - first))
-        usage = protocol.Usage(len(seq.params.prompt), len(seq.output), seq.cached)
+        usage = protocol.Usage(len(seq.params.prompt), len(seq.output), seq.cached, seq.reasoning_tokens)
         lse.stats.record(endpoint, seq.stop_reason, len(seq.params.prompt), seq.cached, len(seq.output),
                          seq.t_end - seq.t_submit, first - seq.t_submit)
         warnings = [protocol.LSEWarning(c, n) for c, n in seq.fallbacks.items()]
@@ -546,7 +546,8 @@ def lse_api_request(lse: LSE, body: Any, on_event: Callable[[Event], None], api:
             for stream_event in events if translation.stream else []:
                 on_event(Event(EVENT_TOKEN, stream_event))
         elif event.kind == EVENT_END:
-            deltas, end = core_end(event.data)
+            sequence = core[0].sequence if core else None
+            deltas, end = core_end(event.data, sequence.stop_string if sequence is not None else None)
             # the closing chunks' deltas; an empty one opens the stream of a reply that had nothing to stream
             events = [e for delta in deltas or [CoreDelta()] for e in translation.feed(delta, end.prompt_tokens)]
             closing, response = translation.finish(end)
@@ -575,6 +576,16 @@ def lse_models(lse: LSE, api: str = "chat") -> dict[str, Any]:
     return anthropic.model_list([entry]) if api == "messages" else {"object": "list", "data": [entry]}
 
 
+def lse_response(lse: LSE, response_id: str) -> dict[str, Any]:
+    """GET /v1/responses/{id}: a stored Responses response; raises LSEError 404 response_not_found."""
+    return lse.responses.response(response_id)
+
+
+def lse_delete_response(lse: LSE, response_id: str) -> dict[str, Any]:
+    """DELETE /v1/responses/{id}: forget a stored response; raises LSEError 404 response_not_found."""
+    return lse.responses.delete(response_id)
+
+
 def lse_count_tokens(lse: LSE, body: Any) -> dict[str, Any]:
     """/v1/messages/count_tokens: {"input_tokens"}, the prompt /v1/messages would start from. Raises
     LSEError, whose body anthropic.error_body shapes."""
@@ -582,9 +593,10 @@ def lse_count_tokens(lse: LSE, body: Any) -> dict[str, Any]:
     return {"input_tokens": tokenized["count"]}
 
 
-def lse_embeddings(lse: LSE, body: Any) -> dict[str, Any]:
+def lse_embeddings(lse: LSE, body: Any, cancel: threading.Event | None = None) -> dict[str, Any]:
     """/v1/embeddings: every input's pooled, L2-normalized final hidden state, computed by the engine as
-    prefill-only sequences. Blocks until all are done; raises LSEError (400 context_full naming the input)."""
+    prefill-only sequences. Blocks until all are done, or ``cancel`` is set (then its sequences end at the
+    next step); raises LSEError (400 context_full naming the input, 499 when cancelled)."""
     try:
         req = embeddings.parse(body)
         _check_model(lse, req.model)
@@ -594,7 +606,7 @@ def lse_embeddings(lse: LSE, body: Any) -> dict[str, Any]:
                                   "invalid_value", "dimensions")
         mode = embeddings.pooling(lse.model)
         prompts = embeddings.prompts(req, lse.model, lse.context_length)
-        rows, sequences = embeddings.hidden_states(lse.engine, prompts, lse.config.parallel)
+        rows, sequences = embeddings.hidden_states(lse.engine, prompts, lse.config.parallel, cancel)
     except LSEError as e:
         lse.stats.record("embeddings", f"error_{e.status}")
         raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import queue
+import threading
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -29,6 +30,7 @@ POOLING_MODES = ("mean", "max", "cls", "last")
 SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_max_tokens": "max",
                                "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
 GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+CANCEL_POLL_S = 0.02   # how often a waiting request looks whether its client has gone
 
 
 class EmbeddingsRequest(Body):
@@ -106,7 +108,8 @@ def prompts(req: EmbeddingsRequest, model: Model, context_length: int) -> list[l
     return result
 
 
-def hidden_states(engine: Engine, prompts: list[list[int]], window: int) -> tuple[list[np.ndarray], list[Sequence]]:
+def hidden_states(engine: Engine, prompts: list[list[int]], window: int,
+                  cancel: threading.Event | None = None) -> tuple[list[np.ndarray], list[Sequence]]:
     """Every prompt's final hidden rows, from prefill-only sequences, at most ``window`` in the engine at a
     time (so a long list never fills its queue); the finished sequences too. Raises a sequence's error."""
     rows: list[list[np.ndarray]] = [[] for _ in prompts]
@@ -122,7 +125,7 @@ def hidden_states(engine: Engine, prompts: list[list[int]], window: int) -> tupl
         for i in range(min(window, len(prompts))):
             submit(i)
         for _ in prompts:
-            seq = finished.get()
+            seq = _next_finished(finished, cancel)
             if seq.error is not None:
                 raise seq.error
             if len(submitted) < len(prompts):
@@ -132,6 +135,17 @@ def hidden_states(engine: Engine, prompts: list[list[int]], window: int) -> tupl
             if not seq.finished:
                 engine.cancel(seq)
     return [np.concatenate(r) for r in rows], submitted
+
+
+def _next_finished(finished: queue.Queue[Sequence], cancel: threading.Event | None) -> Sequence:
+    """The next finished sequence; LSEError 499 once ``cancel`` is set (the client has gone)."""
+    while True:
+        if cancel is not None and cancel.is_set():
+            raise LSEError("the client closed the connection", status=499, code="cancelled")
+        try:
+            return finished.get(timeout=CANCEL_POLL_S)
+        except queue.Empty:
+            continue
 
 
 def response(req: EmbeddingsRequest, vectors: list[np.ndarray], model_id: str, prompt_tokens: int,

@@ -618,11 +618,13 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    reasoning_tokens: int = 0     # of the completion tokens, those written inside the reasoning block
 
     def to_json(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+                "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens}}
 
 
 @dataclass

@@ -117,6 +117,7 @@ def create_app(open_engine: Callable[[], api.LSE], *, api_key: str | None = None
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
@@ -163,13 +164,31 @@ async def responses(request: Request) -> Response:
     return await _complete(request, functools.partial(api.lse_api_request, api="responses"), typed=True)
 
 
+async def stored_response(request: Request) -> Response:
+    lse, response_id = _engine(request), request.path_params["response_id"]
+    if request.method == "DELETE":
+        return _json(api.lse_delete_response(lse, response_id))
+    return _json(api.lse_response(lse, response_id))
+
+
 async def messages(request: Request) -> Response:
     return await _complete(request, functools.partial(api.lse_api_request, api="messages"), typed=True)
 
 
 async def embeddings(request: Request) -> Response:
+    """Blocks a worker thread until the vectors are done; a client that goes first cancels them."""
     body = await _read_json(request)
-    return _json(await run_in_threadpool(api.lse_embeddings, _engine(request), body))
+    cancel = threading.Event()
+    work = asyncio.ensure_future(run_in_threadpool(api.lse_embeddings, _engine(request), body, cancel))
+    gone = asyncio.ensure_future(_disconnected(request.receive))
+    await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if not work.done():
+        cancel.set()
+        with contextlib.suppress(LSEError):
+            await work
+        return Response(status_code=499)   # nobody reads it; the client is gone
+    return _json(work.result())
 
 
 async def count_tokens(request: Request) -> Response:

@@ -187,9 +187,12 @@ SCHEMAS: dict[str, Any] = {
         "text": STRING, "reasoning_content": STRING}, STOP_REASON)),
     "TextCompletionChunk": chunk_object("text_completion", choice(["text"], {
         "text": STRING, "reasoning_content": STRING}, nullable(STOP_REASON))),
-    "Usage": obj(["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"], {
+    "Usage": obj(["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details",
+                  "completion_tokens_details"], {
         "prompt_tokens": COUNT, "completion_tokens": COUNT, "total_tokens": COUNT,
-        "prompt_tokens_details": obj(["cached_tokens"], {"cached_tokens": COUNT})}),
+        "prompt_tokens_details": obj(["cached_tokens"], {"cached_tokens": COUNT}),
+        "completion_tokens_details": obj(["reasoning_tokens"], {"reasoning_tokens": COUNT},
+                                         description="of the completion tokens, those inside the reasoning block")}),
     "LSEContext": obj(["tokens_used", "context_length", "tokens_remaining"], {
         "tokens_used": COUNT, "context_length": COUNT, "tokens_remaining": COUNT}),
     "Timings": obj(["prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms",
@@ -302,7 +305,8 @@ REPLY_SCHEMAS: dict[str, Any] = {
         "previous_response_id": nullable(STRING),
         "usage": nullable(obj(["input_tokens", "input_tokens_details", "output_tokens", "total_tokens"], {
             "input_tokens": COUNT, "input_tokens_details": obj(["cached_tokens"], {"cached_tokens": COUNT}),
-            "output_tokens": COUNT, "total_tokens": COUNT})),
+            "output_tokens": COUNT, "output_tokens_details": obj(["reasoning_tokens"], {"reasoning_tokens": COUNT}),
+            "total_tokens": COUNT})),
         "stop_reason": STOP_REASON, **CLOSING}),
     "ResponseStreamEvent": obj(["type", "sequence_number"], {"type": STRING, "sequence_number": COUNT},
                                description="response.created ... response.completed, as the openai SDK reads them"),
@@ -424,6 +428,13 @@ OPENAPI: dict[str, Any] = {
                                            "TextCompletionChunk"),
         "/v1/responses": typed_stream_path("OpenAI Responses", "ResponsesRequest", "Response",
                                            "ResponseStreamEvent"),
+        "/v1/responses/{response_id}": {
+            **get("A stored response (made with store, among the last 256)", "Response", 404),
+            "delete": {"summary": "Forget a stored response", "responses": {
+                "200": json_body(obj(["id", "object", "deleted"], {
+                    "id": STRING, "object": {"const": "response.deleted"}, "deleted": {"const": True}}), "deleted"),
+                **{str(s): ERRORS[str(s)] for s in (*GET_ERRORS, 404)}}},
+            "parameters": [{"name": "response_id", "in": "path", "required": True, "schema": STRING}]},
         "/v1/messages": typed_stream_path("Anthropic Messages (errors in Anthropic's shape)", "MessagesRequest",
                                           "Message", "MessageStreamEvent", ANTHROPIC_ERRORS),
         "/v1/messages/count_tokens": post("The prompt tokens of a Messages conversation", "CountTokensRequest",

@@ -117,6 +117,15 @@ def test_stop_sequences(server: Server, http: httpx.Client, model_id: str) -> No
                                           stop_sequences=[stop])
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
     assert message.content[0].text == expected["choices"][0]["message"]["content"]
+    # among several, the one that matched is named, whole and streamed
+    several = ["\u2603never", stop, "\u2604never"]
+    message = sdk(server).messages.create(model=model_id, max_tokens=12, messages=HELLO, extra_body=GREEDY,
+                                          stop_sequences=several)
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
+    with sdk(server).messages.stream(model=model_id, max_tokens=12, messages=HELLO, extra_body=GREEDY,
+                                     stop_sequences=several) as stream:
+        streamed = stream.get_final_message()
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
 
 
 def test_reply_that_fills_the_context(server: Server, http: httpx.Client, model_id: str) -> None:

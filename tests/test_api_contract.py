@@ -388,7 +388,8 @@ def test_reply_that_fills_the_context_is_the_specs_response(lse: LSE, chat_promp
     usage = data["usage"]
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert usage == {"prompt_tokens": prompt_tokens, "completion_tokens": KV_LEN - prompt_tokens,
-                     "total_tokens": KV_LEN, "prompt_tokens_details": {"cached_tokens": cached}}
+                     "total_tokens": KV_LEN, "prompt_tokens_details": {"cached_tokens": cached},
+                     "completion_tokens_details": {"reasoning_tokens": 0}}
     assert data["lse_context"] == {"tokens_used": KV_LEN, "context_length": KV_LEN, "tokens_remaining": 0}
     assert lse_model_info(lse)["served"]["context_length"] == KV_LEN       # the same as /v1/models
     assert data["timings"]["prompt_n"] == prompt_tokens - cached

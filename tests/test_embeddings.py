@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -207,3 +208,21 @@ def test_gguf_pooling_type(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     plain = tmp_path / "plain.gguf"
     write_small_gguf(plain, "qwen3")
     assert pooling(load_gguf(str(plain))) == "mean"
+
+
+def test_a_client_that_leaves_cancels_its_embeddings(server: Server) -> None:
+    """Many inputs, the connection closed soon after: the engine stops computing them and the slots free."""
+    body = {"input": [[i % 500 + 1] * (KV_LEN - 8) for i in range(2000)]}
+    with server.client() as http:
+        before = http.get("/v1/lse/status").json()["engine"]["steps"]
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/embeddings", json=body, timeout=0.5)
+        deadline = time.monotonic() + 10
+        while (engine := http.get("/v1/lse/status").json()["engine"])["running"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine["running"] == engine["waiting"] == 0 and engine["free_slots"] == engine["slots"]
+        time.sleep(0.3)
+        assert http.get("/v1/lse/status").json()["engine"]["steps"] == engine["steps"]   # nothing more computed
+        assert engine["steps"] - before < 1000    # far from the 1000 steps every input needs
+        metrics = http.get("/metrics").text
+    assert 'lse_requests_total{endpoint="embeddings",outcome="error_499"} 1' in metrics

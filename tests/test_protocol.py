@@ -430,7 +430,7 @@ def test_context_full_chat_response_is_the_specs():
             "logprobs": None,
         }],
         "usage": {"prompt_tokens": 40, "completion_tokens": 472, "total_tokens": 512,
-                  "prompt_tokens_details": {"cached_tokens": 0}},
+                  "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens_details": {"reasoning_tokens": 0}},
         "lse_context": {"tokens_used": 512, "context_length": 512, "tokens_remaining": 0},
         "timings": TIMINGS_JSON,
     }
@@ -479,7 +479,8 @@ def test_reply_with_reasoning_cached_tokens_and_room_left():
                                              "reasoning_content": "The capital is Paris."}
     assert (body["choices"][0]["finish_reason"], body["choices"][0]["stop_reason"]) == ("stop", "stop_token")
     assert body["usage"] == {"prompt_tokens": 30, "completion_tokens": 12, "total_tokens": 42,
-                             "prompt_tokens_details": {"cached_tokens": 16}}
+                             "prompt_tokens_details": {"cached_tokens": 16},
+                             "completion_tokens_details": {"reasoning_tokens": 0}}
     assert body["lse_context"] == {"tokens_used": 42, "context_length": 4096, "tokens_remaining": 4054}
 
 
@@ -537,7 +538,8 @@ def test_chat_stream_chunks():
     assert first["usage"] is None and final["usage"] is None
     assert usage["choices"] == []
     assert usage["usage"] == {"prompt_tokens": 30, "completion_tokens": 12, "total_tokens": 42,
-                              "prompt_tokens_details": {"cached_tokens": 16}}
+                              "prompt_tokens_details": {"cached_tokens": 16},
+                             "completion_tokens_details": {"reasoning_tokens": 0}}
 
 
 def test_stream_without_include_usage_has_no_usage_chunk():

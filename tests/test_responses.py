@@ -150,11 +150,27 @@ def test_unknown_or_unstored_previous_response(client: openai.OpenAI) -> None:
 def test_store_evicts_the_oldest() -> None:
     store = ResponseStore(size=2)
     for n in range(3):
-        store.put(f"resp_{n}", [{"role": "user", "content": str(n)}])
-    assert store.get("resp_2") == [{"role": "user", "content": "2"}]
+        store.put(f"resp_{n}", [{"role": "user", "content": str(n)}], {"id": f"resp_{n}"})
+    assert store.conversation("resp_2") == [{"role": "user", "content": "2"}]
+    assert store.response("resp_1") == {"id": "resp_1"}
     with pytest.raises(Exception, match="older than the last 2 responses") as caught:
-        store.get("resp_0")
+        store.conversation("resp_0")
     assert caught.value.body()["error"]["code"] == "previous_response_not_found"
+
+
+def test_retrieve_and_delete_a_stored_response(client: openai.OpenAI) -> None:
+    made = client.responses.create(input=QUESTION, max_output_tokens=3)
+    got = client.responses.retrieve(made.id)
+    assert got.model_dump() == made.model_dump()
+    client.responses.delete(made.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.retrieve(made.id)
+    assert (caught.value.body["code"], caught.value.body["param"]) == ("response_not_found", "response_id")
+    with pytest.raises(openai.BadRequestError):    # a deleted response no longer continues a conversation
+        client.responses.create(input="Again?", previous_response_id=made.id, max_output_tokens=1)
+    unstored = client.responses.create(input=QUESTION, max_output_tokens=1, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
 
 
 @pytest.mark.parametrize("body, code, param", [
@@ -301,6 +317,7 @@ def test_reasoning_is_a_reasoning_item(thinking_server: tuple[Server, dict[str, 
     reasoning, message = response.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text.strip() == script["reasoning"].strip()
     assert message.type == "message" and response.output_text.strip() == script["content"].strip()
+    assert 0 < response.usage.output_tokens_details.reasoning_tokens < response.usage.output_tokens
     with client.responses.create(**fields, stream=True) as stream:
         events = list(stream)
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning.content[0].text

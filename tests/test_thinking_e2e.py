@@ -321,7 +321,11 @@ def test_effort_levels_whose_generation_prompt_opens_the_block(qwen3: Path, tmp_
 
 def test_reply_splits_into_reasoning_and_content(scripted_lse: LSE, scripted: dict[str, Any]) -> None:
     body = {"messages": scripted["messages"], "temperature": 0, "max_tokens": scripted["max_tokens"]}
-    message = reply(scripted_lse, body)["choices"][0]["message"]
+    whole = reply(scripted_lse, body)
+    message = whole["choices"][0]["message"]
+    # the reply's tokens inside the block: those after <think>, up to and with </think>
+    inside = scripted["reply_ids"].index(vocab(scripted["model"]).token_to_id("</think>"))
+    assert whole["usage"]["completion_tokens_details"]["reasoning_tokens"] == inside
     assert message["reasoning_content"].strip() == scripted["reasoning"].strip()
     assert message["content"].strip() == scripted["content"].strip()
     assert "<think>" not in message["content"] + message["reasoning_content"]

@@ -284,9 +284,7 @@ class MessagesTranslation:
         stop_reason = STOP_REASONS[end.stop_reason]
         if stop_reason == "end_turn" and any(block["type"] == "tool_use" for block in self.content):
             stop_reason = "tool_use"
-        stops = self.req.stop_sequences or []
-        # the core says a stop string ended the reply, not which one: named when only one was sent
-        stop_sequence = stops[0] if stop_reason == "stop_sequence" and len(stops) == 1 else None
+        stop_sequence = end.stop_string if stop_reason == "stop_sequence" else None
         usage = {"input_tokens": end.prompt_tokens - end.cached_tokens, "output_tokens": end.completion_tokens,
                  "cache_read_input_tokens": end.cached_tokens, "cache_creation_input_tokens": 0}
         lse = {"lse_stop_reason": end.stop_reason} | end.lse

@@ -130,17 +130,21 @@ class CoreEnd:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    reasoning_tokens: int
     lse: dict[str, Any]     # lse_context, timings and lse_warnings (when any), as the core shaped them
+    stop_string: str | None   # the stop string that ended the reply (stop_reason stop_sequence)
 
 
-def core_end(closing: list[dict[str, Any]]) -> tuple[list[CoreDelta], CoreEnd]:
-    """The deltas a closing list still carries, and the ending (the core asked for the usage chunk)."""
+def core_end(closing: list[dict[str, Any]], stop_string: str | None) -> tuple[list[CoreDelta], CoreEnd]:
+    """The deltas a closing list still carries, and the ending (the core asked for the usage chunk);
+    ``stop_string`` is the sequence's, which no chat chunk carries."""
     final = next(c for c in closing if "lse_context" in c)
     usage = next(c["usage"] for c in closing if c.get("usage"))
     choice = final["choices"][0]
     lse = {k: final[k] for k in ("lse_context", "timings", "lse_warnings") if k in final}
     end = CoreEnd(choice["stop_reason"], choice["finish_reason"], usage["prompt_tokens"],
-                  usage["completion_tokens"], usage["prompt_tokens_details"]["cached_tokens"], lse)
+                  usage["completion_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
+                  usage["completion_tokens_details"]["reasoning_tokens"], lse, stop_string)
     return [core_delta(c) for c in closing if c is not final], end
 
 

@@ -26,7 +26,7 @@ from lse_core.adapters.common import (
     pass_through,
     renamed_param,
 )
-from lse_core.errors import invalid_request
+from lse_core.errors import LSEError, invalid_request
 
 STORED_RESPONSES = 256   # conversations kept for previous_response_id; the oldest goes first
 # Chat fields as a Responses body names them, for the core's errors.
@@ -132,27 +132,52 @@ class ResponsesRequest(Body):
 
 
 class ResponseStore:
-    """Finished conversations by response id, for previous_response_id: the last STORED_RESPONSES."""
+    """Finished responses by id, each with its conversation for previous_response_id: the last
+    STORED_RESPONSES."""
 
     def __init__(self, size: int = STORED_RESPONSES) -> None:
         self.size = size
-        self._conversations: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._stored: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, response_id: str) -> list[dict[str, Any]]:
+    def conversation(self, response_id: str) -> list[dict[str, Any]]:
+        """The messages a turn after ``response_id`` continues; 400 previous_response_not_found."""
         with self._lock:
-            messages = self._conversations.get(response_id)
-        if messages is None:
-            raise invalid_request(f"previous response {response_id!r:.80} is not stored here: it was never made "
-                                  f"with store, or it is older than the last {self.size} responses",
+            stored = self._stored.get(response_id)
+        if stored is None:
+            raise invalid_request(f"previous response {response_id!r:.80} is not stored here: {self._why}",
                                   "previous_response_not_found", "previous_response_id")
-        return copy.deepcopy(messages)
+        return copy.deepcopy(stored[0])
 
-    def put(self, response_id: str, messages: list[dict[str, Any]]) -> None:
+    def response(self, response_id: str) -> dict[str, Any]:
+        """GET /v1/responses/{id}: the response object; 404 response_not_found."""
         with self._lock:
-            self._conversations[response_id] = messages
-            while len(self._conversations) > self.size:
-                self._conversations.popitem(last=False)
+            stored = self._stored.get(response_id)
+        if stored is None:
+            raise self._not_found(response_id)
+        return copy.deepcopy(stored[1])
+
+    def delete(self, response_id: str) -> dict[str, Any]:
+        """DELETE /v1/responses/{id}: forget it (a later previous_response_id naming it gets 400)."""
+        with self._lock:
+            stored = self._stored.pop(response_id, None)
+        if stored is None:
+            raise self._not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    def put(self, response_id: str, messages: list[dict[str, Any]], response: dict[str, Any]) -> None:
+        with self._lock:
+            self._stored[response_id] = messages, copy.deepcopy(response)
+            while len(self._stored) > self.size:
+                self._stored.popitem(last=False)
+
+    @property
+    def _why(self) -> str:
+        return f"it was never made with store, was deleted, or is older than the last {self.size} responses"
+
+    def _not_found(self, response_id: str) -> LSEError:
+        return LSEError(f"response {response_id!r:.80} is not stored here: {self._why}", status=404,
+                        code="response_not_found", param="response_id")
 
 
 def _text(content: str | list[TextPart]) -> str:
@@ -196,7 +221,7 @@ def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
 def start(body: Any, store: ResponseStore, model_id: str) -> tuple[dict[str, Any], ResponsesTranslation]:
     """A /v1/responses body as the chat body to run and the translation of its reply; raises LSEError."""
     req = checked(ResponsesRequest, body)
-    history = store.get(req.previous_response_id) if req.previous_response_id else []
+    history = store.conversation(req.previous_response_id) if req.previous_response_id else []
     items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     conversation = history + chat_messages(items)
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
@@ -327,7 +352,7 @@ class ResponsesTranslation:
             end.stop_reason, "incomplete")
         response = self.response(status, end)
         if self.req.store is not False and status != "cancelled":
-            self.store.put(self.id, self.conversation + [self._assistant_turn()])
+            self.store.put(self.id, self.conversation + [self._assistant_turn()], response)
         kind = "response.completed" if status == "completed" else f"response.{status}"
         return events + [self._event(kind, response=response)], response
 
@@ -365,6 +390,7 @@ class ResponsesTranslation:
         if end is not None:
             body["usage"] = {"input_tokens": end.prompt_tokens, "input_tokens_details": {
                 "cached_tokens": end.cached_tokens}, "output_tokens": end.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": end.reasoning_tokens},
                 "total_tokens": end.prompt_tokens + end.completion_tokens}
             body |= {"stop_reason": end.stop_reason} | end.lse
         return body

@@ -93,7 +93,8 @@ class Sequence:
         self._pending = ""         # decoded text not yet released (may be the start of a stop string)
         self._decoded = ""         # everything the incremental detokenizer has returned
         self.forced: list[int] = []   # tokens the engine appends next instead of sampling (the reasoning's end)
-        self._reasoning_tokens = 0    # reply tokens written inside the reasoning block, until the budget is spent
+        self.reasoning_tokens = 0     # reply tokens written inside the reasoning block, its end marker included
+        self.stop_string: str | None = None   # the stop string that ended the reply
 
     @property
     def tokens(self) -> list[int]:
@@ -130,8 +131,9 @@ class Sequence:
         piece = self._detok.step(self._vocab, token) or ""
         self._decoded += piece
         self._pending += piece
-        cut = _find_stop(self._pending, self.params.stop)
-        if cut is not None:
+        found = _find_stop(self._pending, self.params.stop)
+        if found is not None:
+            cut, self.stop_string = found
             self._pending = self._pending[:cut]
             self._end(delta, "stop", "stop_sequence")
             return
@@ -146,16 +148,14 @@ class Sequence:
         self._release(delta, self._pending[:keep])
         self._pending = self._pending[keep:]
         if inside:
+            self.reasoning_tokens += 1
             self._spend_reasoning()
         self.on_delta(self, delta)
 
     def _spend_reasoning(self) -> None:
-        """Count a token written inside the reasoning block; at the budget, queue the block's end marker."""
+        """At the reasoning budget, queue the block's end marker."""
         budget = self.params.reasoning_budget
-        if budget is None or self._reasoning_tokens >= budget.tokens:
-            return
-        self._reasoning_tokens += 1
-        if self._reasoning_tokens == budget.tokens:
+        if budget is not None and self.reasoning_tokens == budget.tokens:
             self.forced = list(budget.close_ids)
 
     def cancel(self, error: Exception | None = None) -> None:
@@ -210,8 +210,9 @@ class Sequence:
         return whole[len(self._decoded):] if whole.startswith(self._decoded) else ""
 
 
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """Where the earliest stop string starts in ``text``, and which one it is."""
+    hits = [(i, s) for i, s in ((text.find(s), s) for s in stops) if i >= 0]
     return min(hits) if hits else None
 
 
