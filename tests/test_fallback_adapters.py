@@ -86,5 +86,5 @@ def test_refused_fallback_fails_each_in_its_own_shape(refused: LSE) -> None:
     assert caught.value.status == 500
     # refused before any work: the engine holds nothing, and answers the next request the same way
     assert lse_status(refused)["engine"] | {"steps": 0, "cpu_fallback": None} == {
-        "steps": 0, "running": 0, "waiting": 0, "slots": 2, "free_slots": 2, "cpu_fallback": None}
+        "steps": 0, "running": 0, "waiting": 0, "paused": 0, "slots": 2, "free_slots": 2, "cpu_fallback": None}
     assert last_event(refused, {"input": QUESTION, "max_output_tokens": 2}, "responses").status == 500
