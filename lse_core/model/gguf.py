@@ -71,11 +71,13 @@ _SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "mi
 def load_gguf(path: str) -> Model:
     """Import a .gguf file; raises StartupError for a file LSE cannot read or run."""
     path = os.path.abspath(path)
+    # the content key reads the file first: one still being written (a FIFO, a slow mount) is waited for here
+    cache_file = _cache_dir() / f"{content_key(path)}.json"
     if os.path.getsize(path) == 0:   # mmap refuses an empty file
         raise StartupError(f"{path}: the file is empty")
     with open(path, "rb") as file:
         mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-    header = _cached_header(path, mapping)
+    header = _cached_header(cache_file, path, mapping)
     config = header["config"]
     saved = header["tokenizer"]
     tokenizer = Tokenizer(tokenizers.Tokenizer.from_str(saved["json"]), eos_ids=tuple(saved["eos_ids"]),
@@ -88,8 +90,7 @@ def load_gguf(path: str) -> Model:
 
 # ---- header: metadata -> config, tokenizer, template, tensor table (cached) ----
 
-def _cached_header(path: str, mapping: mmap.mmap) -> dict[str, Any]:
-    cache_file = _cache_dir() / f"{content_key(path)}.json"
+def _cached_header(cache_file: Path, path: str, mapping: mmap.mmap) -> dict[str, Any]:
     try:
         return json.loads(cache_file.read_text())
     except (OSError, ValueError):
