@@ -15,7 +15,7 @@ import pytest
 from lse_core.api import LSE, Event, lse_close, lse_open_or_raise, lse_request, lse_request_iter
 from lse_core.config import LSEConfig
 
-PROMPT = {"prompt": "The quick brown fox", "temperature": 0}
+PROMPT = {"prompt": "The quick brown fox", "temperature": 0, "ignore_eos": True}   # four tokens, whatever is sampled
 # float32 underflows 1e-300 to 0 and overflows 1e300 to inf: each was a division by zero or NaN logits
 EXTREMES = [{"repetition_penalty": 1e-300}, {"repetition_penalty": 1e300}, {"repetition_penalty": 1e-40},
             {"temperature": 1e-300}, {"temperature": 1e300}, {"temperature": 1e-40},
