@@ -169,9 +169,10 @@ def _log_plan(plan: Plan) -> None:
 class Request:
     """A running request: ``cancel()`` ends its sequence at the next engine step and frees its slot."""
 
-    def __init__(self, lse: LSE, endpoint: str, on_event: Callable[[Event], None]) -> None:
+    def __init__(self, lse: LSE, endpoint: str, on_event: Callable[[Event], None], api: str | None = None) -> None:
         self.lse = lse
         self.endpoint = endpoint
+        self.api = api or endpoint     # whose request it is, in the stats: "chat", "responses", "messages"...
         self.on_event = on_event
         self.sequence: Sequence | None = None
         self.done = threading.Event()
@@ -196,15 +197,17 @@ class Request:
             self.cancel()
 
 
-def lse_request(lse: LSE, body: Any, on_event: Callable[[Event], None], endpoint: str = "chat") -> Request:
+def lse_request(lse: LSE, body: Any, on_event: Callable[[Event], None], endpoint: str = "chat",
+                api: str | None = None) -> Request:
     """Start a chat ("chat") or completion ("completion") request. Events arrive on ``on_event``
     from the engine's thread: token events, then one end event — or a single error event
-    (status and the error body), before any work when the request is invalid."""
-    request = Request(lse, endpoint, on_event)
+    (status and the error body), before any work when the request is invalid. ``api`` names the API
+    the request came through in the stats (an adapter's; the endpoint by default)."""
+    request = Request(lse, endpoint, on_event, api)
     try:
         _start(lse, request, body)
     except LSEError as e:
-        lse.stats.record(endpoint, f"error_{e.status}")
+        lse.stats.record(request.api, f"error_{e.status}")
         request.emit(Event(EVENT_ERROR, e.body(), e.status))
     return request
 
@@ -268,17 +271,17 @@ class _ReplyBuilder:
             self.request.emit(Event(EVENT_TOKEN, self.reply.chunk(content, delta.reasoning, logprobs)))
 
     def on_finish(self, seq: Sequence) -> None:
-        lse, endpoint = self.lse, self.request.endpoint
+        lse, api = self.lse, self.request.api
         if seq.error is not None:
             error = seq.error if isinstance(seq.error, LSEError) else server_error(str(seq.error))
-            lse.stats.record(endpoint, f"error_{error.status}")
+            lse.stats.record(api, f"error_{error.status}")
             self.request.emit(Event(EVENT_ERROR, error.body(), error.status))
             return
         prompt_n = len(seq.params.prompt) - seq.cached
         first = seq.t_first_token or seq.t_end
         timings = protocol.Timings(prompt_n, _ms(first - seq.t_admit), len(seq.output), _ms(seq.t_end - first))
         usage = protocol.Usage(len(seq.params.prompt), len(seq.output), seq.cached, seq.reasoning_tokens)
-        lse.stats.record(endpoint, seq.stop_reason, len(seq.params.prompt), seq.cached, len(seq.output),
+        lse.stats.record(api, seq.stop_reason, len(seq.params.prompt), seq.cached, len(seq.output),
                          seq.t_end - seq.t_submit, first - seq.t_submit)
         warnings = [protocol.LSEWarning(c, n) for c, n in seq.fallbacks.items()]
         constraint = seq.params.constraint
@@ -290,7 +293,7 @@ class _ReplyBuilder:
 
     def finish_empty(self, params: SeqParams) -> None:
         self._end(params.limit_reason, protocol.Usage(len(params.prompt), 0), protocol.Timings(0, 0.0, 0, 0.0), [])
-        self.lse.stats.record(self.request.endpoint, params.limit_reason, len(params.prompt))
+        self.lse.stats.record(self.request.api, params.limit_reason, len(params.prompt))
 
     def _end(self, stop_reason: str, usage: protocol.Usage, timings: protocol.Timings,
              warnings: list[protocol.LSEWarning]) -> None:
@@ -528,7 +531,7 @@ def lse_api_request(lse: LSE, body: Any, on_event: Callable[[Event], None], api:
     try:
         chat, translation = start(lse, body)
     except LSEError as e:
-        lse.stats.record("chat", f"error_{e.status}")
+        lse.stats.record(api, f"error_{e.status}")
         request = Request(lse, api, on_event)
         request.emit(Event(EVENT_ERROR, error_body(e.body(), e.status), e.status))
         return request
@@ -559,7 +562,7 @@ def lse_api_request(lse: LSE, body: Any, on_event: Callable[[Event], None], api:
 
     try:
         core.append(lse_request(lse, chat | {"stream": True, "stream_options": {"include_usage": True}},
-                                on_core_event))
+                                on_core_event, api=api))
     finally:   # never leave the engine's thread waiting, whatever happened
         started.set()
     return core[0]

@@ -8,6 +8,7 @@ and, for tools and reasoning, the scripted checkpoints of test_tool_calls.py and
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -156,6 +157,19 @@ def test_store_evicts_the_oldest() -> None:
     with pytest.raises(Exception, match="older than the last 2 responses") as caught:
         store.conversation("resp_0")
     assert caught.value.body()["error"]["code"] == "previous_response_not_found"
+
+
+def test_metrics_count_responses_under_their_own_api(client: openai.OpenAI, http: httpx.Client) -> None:
+    def count(outcome: str) -> float:
+        found = re.search(rf'^lse_requests_total{{endpoint="responses",outcome="{outcome}"}} (\S+)$',
+                          http.get("/metrics").text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    ok, bad = count("max_tokens"), count("error_400")
+    client.responses.create(input=QUESTION, max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(input=QUESTION, max_output_tokens=1, temperature="hot")
+    assert (count("max_tokens"), count("error_400")) == (ok + 1, bad + 1)
 
 
 def test_retrieve_and_delete_a_stored_response(client: openai.OpenAI) -> None:
