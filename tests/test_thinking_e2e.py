@@ -437,8 +437,10 @@ def test_conflict_on_a_model_without_controls(smollm2_lse: LSE) -> None:
 
 
 def test_switching_off_a_template_that_always_thinks(always_thinks_lse: LSE) -> None:
-    levels = [level["id"] for level in lse_model_info(always_thinks_lse)["thinking"]["levels"]]
-    assert levels == ["low", "high"]
+    found = lse_model_info(always_thinks_lse)["thinking"]["levels"]
+    # No rendering lacks a level (unset is high, other values raise): each level's text is its whole sentence.
+    assert [(level["id"], level["instruction"]) for level in found] == [("low", "Think low."), ("high", "Think high.")]
+    levels = [level["id"] for level in found]
     assert_error(always_thinks_lse, {"messages": user("Hi"), "enable_thinking": False}, "thinking_unsupported",
                  "enable_thinking", levels)
     assert reply(always_thinks_lse, {"messages": user("Hi"), "enable_thinking": True, "max_tokens": 1})

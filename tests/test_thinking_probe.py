@@ -21,10 +21,11 @@ OPEN_THINK = r"""
 {%- if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n' }}{% endif %}"""
 
 # The case issue 23 found: the level's text goes first in the system prompt, and no </think> in the template.
-FIRST = EFFORT + r"""
+LEVEL_TEXT_FIRST = r"""
 {%- for m in messages %}
 {{- '<|im_start|>' + m.role + '\n' + (level_text if m.role == 'system' else '') + m.content + '<|im_end|>\n' }}
-{%- endfor %}""" + OPEN_THINK
+{%- endfor %}"""
+FIRST = EFFORT + LEVEL_TEXT_FIRST + OPEN_THINK
 LAST = EFFORT + r"""
 {%- for m in messages %}
 {{- '<|im_start|>' + m.role + '\n' + m.content + ('\n\n' + level_text if m.role == 'system' else '') }}
@@ -74,6 +75,26 @@ XML_ROLES = r"""
 {%- set effort = reasoning_effort | default('high') %}
 {%- for m in messages %}{{ '<' + m.role + '>' + m.content + '</' + m.role + '>\n' }}{% endfor %}
 {%- if add_generation_prompt %}{{ '<assistant>' + ('<think>' if effort == 'high' else '') }}{% endif %}"""
+
+# Templates with no rendering that lacks a level: effort levels, no switch, any other value refused, and unset is
+# a level. Each level's text is where the levels' renderings differ.
+ONLY_LOW_OR_HIGH = r"""
+{%- set effort = reasoning_effort if reasoning_effort is defined and reasoning_effort is not none else 'high' %}
+{%- if effort not in ('low', 'high') %}{{ raise_exception('reasoning_effort must be low or high') }}{% endif %}"""
+ALWAYS_FIRST = ONLY_LOW_OR_HIGH + r"""
+{%- set level_text = 'Think ' + effort + '. ' %}""" + LEVEL_TEXT_FIRST + OPEN_THINK
+ALWAYS_LONGER = ONLY_LOW_OR_HIGH + r"""
+{%- set level_text = 'Reasoning: ' + effort + '. Be concise. ' %}""" + LEVEL_TEXT_FIRST + OPEN_THINK
+ALWAYS_OWN_LINE = ONLY_LOW_OR_HIGH + r"""
+{%- set level_text = 'Reasoning: ' + effort + '. Be concise.\n' %}""" + LEVEL_TEXT_FIRST + OPEN_THINK
+ALWAYS_THREE = r"""
+{%- set effort = reasoning_effort if reasoning_effort is defined and reasoning_effort is not none else 'medium' %}
+{%- if effort not in ('low', 'medium', 'high') %}{{ raise_exception('unknown reasoning_effort') }}{% endif %}
+{{- '<|im_start|>system\nThink ' + effort + '.<|im_end|>\n' }}""" + TURNS + OPEN_THINK
+# Unset is medium, which writes no text: the others' texts are what they add over it.
+ALWAYS_ONE_WRITES_NONE = ALWAYS_THREE.replace(r"""
+{{- '<|im_start|>system\nThink ' + effort + '.<|im_end|>\n' }}""", r"""
+{%- set level_text = {'low': 'Think briefly.\n', 'high': 'Think hard.\n'}.get(effort, '') %}""" + LEVEL_TEXT_FIRST)
 
 
 def probed(source: str) -> Thinking:
@@ -141,3 +162,19 @@ def test_a_whole_system_message_is_its_text() -> None:
     assert ("[SYS]", "[/SYS]") in frames
     assert added_text("<s>[SYS]Think.[/SYS][SYS]P.[/SYS][U]u[/U]", baseline, frames) == "Think."
     assert added_text("<s>[SYS]P.[/SYS][SYS]Think.[/SYS][U]u[/U]", baseline, frames) == "Think."
+
+
+@pytest.mark.parametrize("source, expected", [
+    (ALWAYS_FIRST, [("low", "Think low.", False), ("high", "Think high.", True)]),
+    (ALWAYS_LONGER, [("low", "Reasoning: low. Be concise.", False), ("high", "Reasoning: high. Be concise.", True)]),
+    (ALWAYS_OWN_LINE, [("low", "Reasoning: low. Be concise.", False),
+                       ("high", "Reasoning: high. Be concise.", True)]),
+    (ALWAYS_THREE, [("low", "Think low.", False), ("medium", "Think medium.", True), ("high", "Think high.", False)]),
+    (ALWAYS_ONE_WRITES_NONE, [("low", "Think briefly.", False), ("medium", None, True),
+                              ("high", "Think hard.", False)]),
+], ids=["first", "longer sentence", "own line", "three levels", "one writes none"])
+def test_with_no_rendering_without_a_level_each_level_gets_its_text(
+        source: str, expected: list[tuple[str, str | None, bool]]) -> None:
+    thinking = probed(source)
+    assert (thinking.toggle, thinking.effort) == (None, "reasoning_effort")
+    assert [(level.id, level.instruction, level.default) for level in thinking.levels] == expected

@@ -85,3 +85,34 @@ def system_frames(with_system: str, without_system: str, system_text: str) -> li
         if found and system_text not in tail and (head + tail).strip():
             frames.append((head, tail))
     return frames
+
+
+def _beside(rendering: str, contents: list[str]) -> list[str]:
+    """What the template writes on the line of each message whose content is one of `contents`, before and after
+    that content: its markup for a message (`[INST]`, `<|im_end|>`)."""
+    found = []
+    for content in contents:
+        at = rendering.find(content)
+        if at >= 0:
+            found += [rendering[:at].rsplit("\n", 1)[-1], rendering[at + len(content):].split("\n", 1)[0]]
+    return [text for text in found if text]
+
+
+def level_units(renderings: list[str], contents: list[str]) -> list[str | None]:
+    """Each rendering's own text where the renderings differ, for renderings none of which lacks the text (a
+    template that writes one of several sentences there): the differing region, widened over the text all of
+    them share to the enclosing unit, stripped; None where that is empty. A unit ends at a line break, a
+    message's markup, the content of one of the messages (`contents`, which is never a level's) or the
+    rendering's ends. Sentence ends are no boundary, since the levels' texts can share sentences that are
+    still each level's text ("Reasoning: low. Be concise." and "Reasoning: high. Be concise.")."""
+    start = min(common_prefix(renderings[0], rendering) for rendering in renderings)
+    limit = min(len(rendering) for rendering in renderings) - start
+    trim = min(_common_suffix(renderings[0], rendering, limit) for rendering in renderings)
+    units = []
+    for rendering in renderings:
+        marks = ["\n", *_beside(rendering, contents), *contents]
+        low = max((at + len(mark) for mark in marks if (at := rendering.rfind(mark, 0, start)) >= 0), default=0)
+        high = min((at for mark in marks if (at := rendering.find(mark, len(rendering) - trim)) >= 0),
+                   default=len(rendering))
+        units.append(rendering[low:high].strip() or None)
+    return units

@@ -8,13 +8,13 @@ each level's instruction, generation prompt and reasoning markers are read off d
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import nodes
 
-from lse_core.template.diff import added_text, appended_prompt, system_frames
+from lse_core.template.diff import added_text, appended_prompt, level_units, system_frames
 from lse_core.template.reasoning import opens_reasoning
 from lse_core.template.render import ChatTemplate, TemplateLimitError, describe_error, time_limit
 from lse_core.template.thinking import EFFORT, TOGGLE, Level, Thinking
@@ -266,12 +266,12 @@ def _probe(template: ChatTemplate) -> Thinking:
     prompts = [prompt_for(variables_of(enable, effort)) for _, enable, effort in choices]
     history = renderer.render(WITH_REPLY, {}, generation_prompt=False)
     markers = reasoning_markers(template, [*prompts, prompt_for({})], history if isinstance(history, str) else None)
-    instruction_of = _instructions(renderer, usable, has_toggle)
+    instructions = _instructions(renderer, usable, has_toggle,
+                                 [variables_of(enable, effort) for _, enable, effort in choices])
 
     levels = []
-    for (cid, enable, effort), prompt in zip(choices, prompts):
-        levels.append(Level(id=cid, enable_thinking=enable, reasoning_effort=effort,
-                            instruction=instruction_of(variables_of(enable, effort)),
+    for (cid, enable, effort), prompt, instruction in zip(choices, prompts, instructions):
+        levels.append(Level(id=cid, enable_thinking=enable, reasoning_effort=effort, instruction=instruction,
                             generation_prompt=prompt, opens_reasoning=opens_reasoning(prompt, markers),
                             default=cid == default_id))
     return Thinking(source=template.path, toggle=TOGGLE if has_toggle else None, effort=EFFORT if efforts else None,
@@ -279,12 +279,15 @@ def _probe(template: ChatTemplate) -> Thinking:
                     close_marker=markers[1] if markers else None)
 
 
-def _instructions(renderer: _Renderer, usable: list[int], has_toggle: bool) -> Callable[[dict[str, Any]], str | None]:
-    """A level's instruction, from its variables: all the text its rendering (without the generation prompt,
-    which the level's generation_prompt holds) adds over the rendering without a level. That is thinking off
-    where the template has the switch, else an effort value the template ignores, else (a template that
-    refuses every other value) its rendering with no variables. Read off the conversation with a system
-    prompt when the template takes one; an instruction written as its own system message is its text alone."""
+def _instructions(renderer: _Renderer, usable: list[int], has_toggle: bool,
+                  levels: list[dict[str, Any]]) -> list[str | None]:
+    """The instructions of the levels, from their variables: all the text a level's rendering (without the
+    generation prompt, which the level's generation_prompt holds) adds over the rendering without a level. That
+    is thinking off where the template has the switch, else an effort value the template ignores, else (a
+    template that refuses every other value) its rendering with no variables, unless that is a level's own:
+    then the text where the levels' renderings differ is each one's, or, when a level writes none there, what
+    the others add over it. Read off the conversation with a system prompt when the template takes one; an
+    instruction written as its own system message is its text alone."""
     conversation = WITH_SYSTEM if WITH_SYSTEM in usable else USER_ONLY
 
     def text(c: int, variables: dict[str, Any]) -> Rendering:
@@ -296,10 +299,12 @@ def _instructions(renderer: _Renderer, usable: list[int], has_toggle: bool) -> C
     baseline, without_system = text(conversation, no_level), text(USER_ONLY, no_level)
     frames = system_frames(baseline, without_system, SYSTEM_TEXT) \
         if conversation == WITH_SYSTEM and isinstance(baseline, str) and isinstance(without_system, str) else []
-
-    def instruction(variables: dict[str, Any]) -> str | None:
-        rendering = text(conversation, variables)
-        if not isinstance(rendering, str) or not isinstance(baseline, str):
-            return None
-        return added_text(rendering, baseline, frames)
-    return instruction
+    renderings = [text(conversation, variables) for variables in levels]
+    strings = [rendering for rendering in renderings if isinstance(rendering, str)]
+    if not no_level and len(strings) == len(renderings) and baseline in strings and len(set(strings)) > 1:
+        units = level_units(strings, [SYSTEM_TEXT, USER_TEXT])
+        if None not in units:
+            return units
+        baseline = strings[units.index(None)]
+    return [added_text(rendering, baseline, frames) if isinstance(rendering, str) and isinstance(baseline, str)
+            else None for rendering in renderings]
