@@ -16,12 +16,20 @@ class KVSlots:
 
     def acquire(self, prompt: list[int]) -> tuple[int, int]:
         """A free slot and how many leading prompt tokens it already holds (at most len - 1, so the
-        last prompt token is always computed and yields logits)."""
-        best, best_len = self.free[0], -1
+        last prompt token is always computed and yields logits).
+
+        The slot holding the longest prefix of the prompt, if that prefix is the whole prompt or at least
+        half the slot's tokens (a chat's next turn, a repeated prompt); otherwise an empty slot, else the
+        least recently released one (the free list is in release order). So a new conversation, which
+        shares only the template's opening tokens with any slot, does not overwrite another's for them."""
+        best, best_len = None, 0
         for slot in self.free:
-            n = _common_prefix(self.contents.get(slot, []), prompt)
-            if n > best_len:
+            content = self.contents.get(slot, [])
+            n = _common_prefix(content, prompt)
+            if n > best_len and (n == len(prompt) or 2 * n >= len(content)):
                 best, best_len = slot, n
+        if best is None:
+            best = next((slot for slot in self.free if not self.contents.get(slot)), self.free[0])
         self.free.remove(best)
         return best, min(best_len, len(prompt) - 1)
 
