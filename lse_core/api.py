@@ -573,6 +573,14 @@ def lse_error_body(error: LSEError, api: str = "chat") -> dict[str, Any]:
     return anthropic.error_body(error.body(), error.status) if api == "messages" else error.body()
 
 
+def lse_stream_error(error: LSEError, api: str = "chat", events_sent: int = 0) -> dict[str, Any]:
+    """The in-stream error event that ends a stream of ``api`` after ``events_sent`` events, for a request that
+    failed outside the engine (lse_ray: the replica serving it was lost)."""
+    if api == "responses":
+        return responses.stream_error_event(error.body(), error.status, events_sent)
+    return lse_error_body(error, api)
+
+
 def lse_models(lse: LSE, api: str = "chat") -> dict[str, Any]:
     """/v1/models: OpenAI's list, or Anthropic's for "messages" (its clients send anthropic-version)."""
     entry = lse_model_info(lse)["served"]

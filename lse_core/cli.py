@@ -169,7 +169,19 @@ def format_status(status: dict[str, Any]) -> str:
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     for event in fb.get("events", []):
         lines.append(f"{'':<{width}}  {event['count']:>8}  {event['cause']}")
+    if "replicas" in status:   # behind lse-server --replicas (lse_ray)
+        lines.append(f"replicas ({len(status['replicas'])})")
+        lines.extend(_replica_line(replica) for replica in status["replicas"])
     return "\n".join(lines)
+
+
+def _replica_line(replica: dict[str, Any]) -> str:
+    engine, stats = replica["engine"], replica["stats"]
+    return (f"  {replica['replica']}  node {replica['node'][:12]}  pid {replica['pid']}  "
+            f"{', '.join(d['name'] for d in replica['devices'])}  running {engine['running']} / waiting "
+            f"{engine['waiting']}  free slots {engine['free_slots']} of {engine['slots']}  cached "
+            f"{stats['cached_tokens']} of {stats['prompt_tokens']} prompt tokens  CPU fallback "
+            f"{engine['cpu_fallback']['total']}")
 
 
 if __name__ == "__main__":

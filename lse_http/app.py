@@ -133,8 +133,7 @@ def create_app(open_engine: Callable[[], api.LSE], *, api_key: str | None = None
         Route("/", page, methods=["GET"]),
         Mount("/page", StaticFiles(directory=PAGE_DIR), name="page"),
     ]
-    handlers = {LSEError: _lse_error, HTTPException: _http_error, Exception: _internal_error}
-    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers=ERROR_HANDLERS, lifespan=lifespan)
     app.state.loader = loader
     app.state.max_body_bytes = max_body_bytes
     app.state.running = RunningRequests()
@@ -343,6 +342,21 @@ def _typed_sse_event(data: dict[str, Any]) -> bytes:
     return b"event: " + data["type"].encode() + b"\ndata: " + _dumps(data) + b"\n\n"
 
 
+def stream_error_bytes(path: str, error: LSEError, events_sent: int) -> bytes:
+    """The bytes that end a stream on ``path`` whose request failed after ``events_sent`` events, written as the
+    engine's own in-stream errors are (lse_ray's ingress, when the replica serving it is lost)."""
+    api_name = _api_of(path)
+    event = api.lse_stream_error(error, api_name, events_sent)
+    return _sse_event(event) + SSE_DONE if api_name == "chat" else _typed_sse_event(event)
+
+
+def _api_of(path: str) -> str:
+    """Whose shapes a path's bodies and errors take: "messages", "responses" or OpenAI's ("chat")."""
+    if path.startswith("/v1/messages"):
+        return "messages"
+    return "responses" if path.startswith("/v1/responses") else "chat"
+
+
 # ---- models, status, health ----
 
 async def list_models(request: Request) -> Response:
@@ -504,6 +518,10 @@ async def _http_error(request: Request, e: Exception) -> Response:
 async def _internal_error(request: Request, e: Exception) -> Response:
     """Any other exception: a 500 in the error shape (uvicorn logs the traceback)."""
     return _error(request.url.path, server_error(f"internal error: {type(e).__name__}: {e}"))
+
+
+# every error a route raises, answered in its API's error shape (lse_ray's ingress answers its own with these too)
+ERROR_HANDLERS = {LSEError: _lse_error, HTTPException: _http_error, Exception: _internal_error}
 
 
 def _open(path: str) -> bool:

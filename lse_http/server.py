@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 import sys
@@ -46,6 +47,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds running replies may take to finish after SIGTERM/SIGINT; then each is ended "
                         "with an error event (default: %(default)s)")
+    ray = p.add_argument_group("scale-out (Ray Serve; pip install 'lse[ray]'; see docs/scale-out.md)")
+    ray.add_argument("--replicas", type=int, default=0,
+                     help="serve through N engine replicas on Ray Serve behind this address (default: 0, one "
+                          "engine in this process)")
+    ray.add_argument("--ray-address", help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of "
+                     "starting a local Ray instance")
+    ray.add_argument("--ray-actor-options", type=json.loads, default=None,
+                     help='each replica\'s Ray resources as JSON, e.g. \'{"num_gpus": 1}\' (default: one CPU)')
+    ray.add_argument("--autoscaling-config", type=json.loads, default=None,
+                     help="Ray Serve's autoscaling config for the replicas as JSON, e.g. "
+                          "'{\"min_replicas\": 1, \"max_replicas\": 4, \"target_ongoing_requests\": 4}'")
+    ray.add_argument("--no-prefix-affinity", action="store_true",
+                     help="send every request to the least-loaded replica, ignoring its prompt's prefix")
     return p.parse_args(argv)
 
 
@@ -75,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
 
     hosts = None if "*" in args.allowed_hosts else allowed_hosts(args.host, args.allowed_hosts)
+    if args.replicas or args.ray_address or args.autoscaling_config:
+        from lse_ray.cluster import serve_replicas
+
+        return serve_replicas(args, config, {"api_key": args.api_key, "allowed_hosts": hosts,
+                                             "cors_origins": args.cors_origins, "stall_timeout": args.stall_timeout})
     app = create_app(lambda: lse_open_or_raise(config), api_key=args.api_key, on_load_failure=startup_failed,
                      allowed_hosts=hosts, cors_origins=args.cors_origins, stall_timeout=args.stall_timeout)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -126,6 +145,8 @@ def _check_options(args: argparse.Namespace) -> str | None:
         return f"--stall-timeout must be more than 0 seconds, got {args.stall_timeout}"
     if args.shutdown_timeout < 0:
         return f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}"
+    if args.replicas < 0:
+        return f"--replicas must be 0 (no Ray) or more, got {args.replicas}"
     if args.parallel < 1:
         return f"--parallel must be at least 1, got {args.parallel}"
     if args.max_tokens < 0:

@@ -396,5 +396,12 @@ class ResponsesTranslation:
         return body
 
     def stream_error(self, body: dict[str, Any], status: int) -> dict[str, Any]:
-        error = error_body(body, status)["error"]
-        return self._event("error", code=error["code"], message=error["message"], param=error["param"])
+        self.sequence += 1
+        return stream_error_event(body, status, self.sequence - 1)
+
+
+def stream_error_event(body: dict[str, Any], status: int, sequence_number: int) -> dict[str, Any]:
+    """The ``error`` event a stream ends with when its request fails after ``sequence_number`` events."""
+    error = error_body(body, status)["error"]
+    return {"type": "error", "sequence_number": sequence_number, "code": error["code"], "message": error["message"],
+            "param": error["param"]}
