@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -109,14 +110,15 @@ def checkpoint(tiny_checkpoint) -> Path:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path) -> Iterator[RayServer]:
-    with ray_server(checkpoint) as running:
+    # deterministic: greedy replies do not depend on the batch or the prefix cache, so they can be compared
+    with ray_server(checkpoint, "--deterministic") as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def local_engine(checkpoint: Path):
     """The same checkpoint opened in this process: what one lse-server would answer."""
-    lse = lse_open_or_raise({"model": str(checkpoint), "pool": "cpu:0", "kv_len": KV_LEN})
+    lse = lse_open_or_raise({"model": str(checkpoint), "pool": "cpu:0", "kv_len": KV_LEN, "deterministic": True})
     yield lse
     lse_close(lse)
 
@@ -166,6 +168,26 @@ def test_the_ingress_serves_lse_servers_api(server: RayServer, local_engine, che
     assert shown.returncode == 0, shown.stderr
     assert "replicas (2)" in shown.stdout
     assert all(r["replica"] in shown.stdout for r in status["replicas"])
+
+
+def test_typed_streams_pass_through(server: RayServer, local_engine) -> None:
+    """The Messages and Responses APIs' typed events, relayed as the replica's app writes them."""
+    messages = [{"role": "user", "content": "Hi"}]
+    claude = anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
+    fields = {"model": local_engine.model_id, "max_tokens": 6, "messages": messages, "extra_body": {"temperature": 0}}
+    whole = claude.messages.create(**fields)
+    with claude.messages.stream(**fields) as stream:
+        kinds = [event.type for event in stream]
+        assert stream.get_final_message().content[0].text == whole.content[0].text
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    with client.responses.create(model=local_engine.model_id, input="Hi", max_output_tokens=6, temperature=0,
+                                 stream=True) as stream:
+        events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == ("response.incomplete" if whole.stop_reason == "max_tokens" else "response.completed")
+    assert events[-1].response.output_text == whole.content[0].text
 
 
 @pytest.mark.parametrize("options, reason", [
@@ -285,3 +307,66 @@ def test_a_replica_killed_under_load_loses_no_whole_request(server: RayServer) -
         assert time.monotonic() < deadline, after
         time.sleep(2)
     assert len(set(after) - set(before)) == 1
+
+
+@pytest.mark.slow
+def test_serve_run_with_a_config_file_autoscales_by_ongoing_requests(checkpoint: Path, tmp_path: Path) -> None:
+    """Ray's own `serve run` on a Serve config file whose replicas autoscale (Ray Serve's autoscaling_config):
+    one replica at first, two once four clients keep it busy."""
+    port = free_port()
+    config = {
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [{
+            "name": "lse", "route_prefix": "/", "import_path": "lse_ray.app:build",
+            "args": {"engine": {"model": str(checkpoint), "pool": "cpu:0", "kv_len": KV_LEN, "parallel": 2}},
+            "deployments": [{"name": "LSEReplica", "autoscaling_config": {
+                "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 1,
+                "downscale_delay_s": 600, "look_back_period_s": 2}}]}]}
+    (tmp_path / "lse.yaml").write_text(json.dumps(config))   # JSON is YAML
+    command = [sys.executable, "-m", "ray.serve.scripts", "run", str(tmp_path / "lse.yaml")]
+    log = (tmp_path / "serve.log").open("w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    stop = threading.Event()
+
+    def busy() -> None:
+        body = {"prompt": "The quick brown fox", "max_tokens": 200, "ignore_eos": True}
+        with httpx.Client(base_url=url, timeout=120) as client:
+            while not stop.is_set():
+                client.post("/v1/completions", json=body)
+
+    clients = [threading.Thread(target=busy) for _ in range(4)]
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not _replicas(url) or len(_replicas(url)) != 1:
+            assert process.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-4000:]
+            time.sleep(1)
+        for thread in clients:
+            thread.start()
+        while len(_replicas(url) or []) < 2:
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-4000:]
+            time.sleep(1)
+    finally:
+        stop.set()
+        for thread in clients:
+            if thread.is_alive():
+                thread.join(120)
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(90)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+
+
+def _replicas(url: str) -> list[dict[str, Any]] | None:
+    try:
+        response = httpx.get(f"{url}/v1/lse/status", timeout=5)
+        return response.json()["replicas"] if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
