@@ -80,16 +80,22 @@ def ray_server(model: Path, *options: str) -> Iterator[RayServer]:
             time.sleep(1)
         yield server
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(90)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(process.pid, signal.SIGKILL)   # whatever of the session is left (a hung raylet, workers)
-        except ProcessLookupError:
-            pass
-        process.wait()
+        stop_session(process, signal.SIGTERM)
+
+
+def stop_session(process: subprocess.Popen, signum: int) -> None:
+    """Stop a server started in its own session by ``signum``, then kill whatever of the session is left (a hung
+    raylet, Ray's workers)."""
+    process.send_signal(signum)
+    try:
+        process.wait(90)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
 
 
 def _ready(server: RayServer) -> bool:
@@ -352,16 +358,7 @@ def test_serve_run_with_a_config_file_autoscales_by_ongoing_requests(checkpoint:
         for thread in clients:
             if thread.is_alive():
                 thread.join(120)
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(90)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
+        stop_session(process, signal.SIGINT)
 
 
 def _replicas(url: str) -> list[dict[str, Any]] | None:
