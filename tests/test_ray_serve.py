@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -301,18 +302,51 @@ def test_a_replica_killed_under_load_loses_no_whole_request(server: RayServer) -
     for thread in clients:
         thread.join(180)
     assert not any(thread.is_alive() for thread in clients), "a client hung"
+    print(f"whole replies by status: {Counter(whole)}; streams by their end: {Counter(streams)}")
     assert not failures, failures
     assert whole and set(whole) == {200}, sorted(set(whole))
     assert streams and set(streams) <= {"done", "replica_lost"}, streams
 
-    deadline = time.monotonic() + 240
-    while True:   # Ray replaces the dead replica
-        after = {r["replica"]: r["pid"] for r in server.status()["replicas"]}
-        if len(after) == 2 and victim not in after.values():
-            break
-        assert time.monotonic() < deadline, after
-        time.sleep(2)
+    after = replaced(server, victim)
     assert len(set(after) - set(before)) == 1
+
+
+def replaced(server: RayServer, pid: int) -> dict[str, int]:
+    """The replicas' pids by id once Ray has replaced the one whose process was ``pid``."""
+    deadline = time.monotonic() + 240
+    while True:
+        replicas = {r["replica"]: r["pid"] for r in server.status()["replicas"]}
+        if len(replicas) == 2 and pid not in replicas.values():
+            return replicas
+        assert time.monotonic() < deadline, replicas
+        time.sleep(2)
+
+
+@pytest.mark.slow
+def test_a_stream_whose_replica_dies_ends_with_the_in_stream_error(server: RayServer) -> None:
+    """The replica a prompt's key picks (found from which replica counted its tokens) is killed just after its
+    stream's first event: the stream ends with replica_lost, then [DONE], and the next request is answered."""
+    prompt = "Kill the replica that serves this prompt, please."
+    before = {r["replica"]: r["stats"]["prompt_tokens"] for r in server.status()["replicas"]}
+    with server.client() as client:
+        assert client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).status_code == 200
+        deadline = time.monotonic() + 30
+        while not (counted := [r for r in server.status()["replicas"]
+                               if r["stats"]["prompt_tokens"] > before.get(r["replica"], 0)]):
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        [serving] = counted
+        body = {"prompt": prompt, "max_tokens": KV_LEN - 32, "ignore_eos": True, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = (line[6:] for line in response.iter_lines() if line.startswith("data: "))
+            assert "choices" in json.loads(next(lines))
+            os.kill(serving["pid"], signal.SIGKILL)
+            events = list(lines)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert (error["type"], error["code"]) == ("server_error", "replica_lost")
+        assert client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).status_code == 200
+    assert serving["replica"] not in replaced(server, serving["pid"])
 
 
 @pytest.mark.slow
