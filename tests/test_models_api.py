@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 
 from lse_core.api import EVENT_END, EVENT_ERROR, lse_close, lse_open_or_raise, lse_tokenize
+from lse_core.cli import format_status
 from lse_core.config import LSEConfig
 from lse_core.errors import LSEError, StartupError
 from lse_core.model.catalog import ModelSpec, model_specs
 from lse_core.model_set import ModelSet, Policy
+from lse_http.server import parse_args
 
 CONFIG = LSEConfig(pool="cpu:0", kv_len=64, parallel=2)
 PROMPT = {"prompt": "Paris is", "max_tokens": 3, "temperature": 0}
@@ -168,5 +170,45 @@ def test_requests_wait_in_a_bounded_queue_and_a_failure_is_its_own(two: list[Mod
             assert (e.value.status, e.value.code, e.value.message) == (500, "model_load_failed",
                                                                       "q.gguf: the file is truncated")
         assert models.entry("q")["state"] == "failed" and complete(models, "l")["model"] == "l"
+    finally:
+        models.close()
+
+
+def test_server_options_for_many_models() -> None:
+    args = parse_args(["-m", "a.gguf", "-m", "b", "--memory-budget", "1.5G", "--max-models", "2",
+                       "--idle-unload", "300", "--alias", "x=c.gguf"])
+    assert (args.models, args.memory_budget, args.max_models, args.idle_unload, args.alias) == (
+        ["a.gguf", "b"], 3 << 29, 2, 300.0, ["x=c.gguf"])
+    assert [parse_args(["--memory-budget", size]).memory_budget for size in ("512M", "8GiB", "4096", "2kb")] == [
+        512 << 20, 8 << 30, 4096, 2048]
+    with pytest.raises(SystemExit):
+        parse_args(["--memory-budget", "lots"])
+
+
+def test_lse_status_prints_each_model(two: list[ModelSpec]) -> None:
+    models = ModelSet(two, CONFIG)
+    try:
+        complete(models, "l")
+        text = format_status(models.status())
+    finally:
+        models.close()
+    q, l = text.split("\n\n")
+    assert q.splitlines()[:2] == ["model  q", "state  unloaded"]
+    assert "state              loaded" in l and "devices            cpu:0" in l and "free KV slots      2 of 2" in l
+
+
+def test_a_refused_pool_fails_each_load_with_the_startup_message(two: list[ModelSpec]) -> None:
+    """The options are every model's: with the CPU refused, each load fails as lse_open would, and the set
+    still answers (a one-model server would exit 1 with the same line)."""
+    models = ModelSet(two, replace(CONFIG, disable_cpu_fallback=True))
+    try:
+        with pytest.raises(StartupError) as startup:
+            lse_open_or_raise(replace(CONFIG, model=two[0].path, disable_cpu_fallback=True))
+        for model_id in ("q", "l"):
+            with pytest.raises(LSEError) as e:
+                models.lease(model_id).result()
+            assert (e.value.code, e.value.message) == ("model_load_failed", str(startup.value))
+        assert str(startup.value).startswith("device cpu:0 is refused")
+        assert states(models) == {"q": "failed", "l": "failed"}
     finally:
         models.close()

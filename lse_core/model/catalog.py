@@ -36,9 +36,11 @@ def models_in(directory: str) -> list[str]:
 
 def model_specs(paths: list[str], models_dir: str | None = None, aliases: list[str] = ()) -> list[ModelSpec]:
     """The models to serve, in order: ``paths``, then those of ``models_dir``; an alias ``ID=PATH`` names the
-    model at PATH (one listed already, or another). None of them: the default model. Raises StartupError
+    model at PATH (one listed already, or another). A model listed twice is served once; none: the default
+    model. Raises StartupError
     for an alias without ``=`` or two models with one id."""
-    found = [*paths, *(models_in(models_dir) if models_dir else [])]
+    listed = [*paths, *(models_in(models_dir) if models_dir else [])]
+    found = [p for i, p in enumerate(listed) if os.path.realpath(p) not in map(os.path.realpath, listed[:i])]
     named: dict[str, str] = {}   # real path -> id given by an alias
     for alias in aliases:
         given, sep, path = alias.partition("=")
