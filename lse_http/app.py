@@ -217,8 +217,8 @@ async def _complete(request: Request, start: StartRequest, typed: bool = False) 
     if first is None:
         handle.cancel()
         return Response(status_code=499)   # nobody reads it; the client is gone
-    if first.kind == api.EVENT_ERROR:
-        return _json(first.data, first.status)
+    if first.kind == api.EVENT_ERROR:   # the engine's queue full is a 503 too
+        return _json(first.data, first.status, _retry_after(first.status))
     if not stream:
         return _json(first.data)
     return EventStream(first, events, handle, typed, on_close=running.discard)
@@ -508,7 +508,12 @@ def _error(path: str, error: LSEError, headers: dict[str, str] | None = None) ->
 
 async def _lse_error(request: Request, e: Exception) -> Response:
     assert isinstance(e, LSEError)
-    return _error(request.url.path, e, {"Retry-After": "1"} if e.status == 503 else None)
+    return _error(request.url.path, e, _retry_after(e.status))
+
+
+def _retry_after(status: int) -> dict[str, str] | None:
+    """A 503 (loading, a full queue, shutting down) tells the client when to try again."""
+    return {"Retry-After": "1"} if status == 503 else None
 
 
 async def _http_error(request: Request, e: Exception) -> Response:

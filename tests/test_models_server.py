@@ -261,3 +261,25 @@ def test_a_full_queue_for_a_loading_model_is_503_with_retry_after(tmp_path: Path
         assert len(answers) == 64 and {a.status_code for a in answers} == {500}
         assert {a.json()["error"]["code"] for a in answers} == {"model_load_failed"}
         assert http.post("/v1/completions", json={"model": "qwen3", "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_a_full_engine_queue_is_503_with_retry_after(models_dir: Path) -> None:
+    """In-process (starlette's TestClient): an engine that queues nothing refuses each request as a full queue."""
+    from starlette.testclient import TestClient
+
+    from lse_core.config import LSEConfig
+    from lse_core.model.catalog import model_specs
+    from lse_core.model_set import ModelSet, Policy
+    from lse_http.app import create_app
+
+    models = ModelSet(model_specs([str(models_dir / "qwen3")]), LSEConfig(pool="cpu:0", kv_len=64, max_queue=0),
+                      Policy(max_waiting=1))
+    with TestClient(create_app(models)) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        for stream in (False, True):
+            full = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": stream})
+            assert_error(full, 503, "server_error", "overloaded")
+            assert full.headers["retry-after"] == "1"
