@@ -468,7 +468,7 @@ OPENAPI: dict[str, Any] = {
                                           "TokenCount", ANTHROPIC_ERRORS),
         "/v1/embeddings": post("Pooled, L2-normalized final hidden states of each input", "EmbeddingsRequest",
                                "EmbeddingList"),
-        "/v1/models": get("The served model", "ModelList", 503),
+        "/v1/models": get("The served models, each with its state", "ModelList", 503),
         "/v1/models/{model_id}": {**get("One model", "Model", 404, 503),
                                   "parameters": [{"name": "model_id", "in": "path", "required": True,
                                                   "schema": STRING}]},

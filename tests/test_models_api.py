@@ -54,6 +54,8 @@ def test_ids_come_from_names_and_aliases(tmp_path: Path) -> None:
         model_specs([], None, ["no-equals-sign"])
     with pytest.raises(StartupError, match="--models-dir /no/such/dir"):
         model_specs([], "/no/such/dir")
+    with pytest.raises(StartupError, match="holds no .gguf file"):
+        model_specs([], str(tmp_path / "notes"))
 
 
 def test_a_body_selects_its_model(two: list[ModelSpec]) -> None:

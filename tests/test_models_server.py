@@ -5,6 +5,7 @@ names a model, per-model status and metrics, and the memory an unload gives back
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +16,17 @@ import httpx
 import psutil
 import pytest
 import tokenizers
-from test_server import API_KEY, CHAT_TEMPLATE, HELLO, Server, assert_error, lse_server, validate
+from test_server import (
+    API_KEY,
+    CHAT_TEMPLATE,
+    HELLO,
+    Server,
+    assert_error,
+    free_port,
+    lse_server,
+    server_command,
+    validate,
+)
 
 IDS = ["qwen3", "broken", "llama", "smol"]   # -m's, then --models-dir's others, sorted, then the alias
 
@@ -283,3 +294,15 @@ def test_a_full_engine_queue_is_503_with_retry_after(models_dir: Path) -> None:
             full = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": stream})
             assert_error(full, 503, "server_error", "overloaded")
             assert full.headers["retry-after"] == "1"
+
+
+def test_a_bad_model_list_stops_startup_with_one_line(models_dir: Path, tmp_path: Path) -> None:
+    cases = [["--models-dir", str(tmp_path)],                      # no model in it
+             ["--alias", "qwen3"],                                 # no =PATH
+             ["-m", str(models_dir / "qwen3"), "--alias", f"llama={models_dir / 'qwen3'}", "-m",
+              str(models_dir / "llama")]]                          # two models named llama
+    for options in cases:
+        done = subprocess.run(server_command(models_dir / "llama", free_port(), *options), capture_output=True,
+                              text=True, timeout=120)
+        reasons = [line for line in done.stderr.splitlines() if line.startswith("lse-server: ")]
+        assert done.returncode == 1 and len(reasons) == 1, done.stderr

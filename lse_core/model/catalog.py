@@ -39,7 +39,10 @@ def model_specs(paths: list[str], models_dir: str | None = None, aliases: list[s
     model at PATH (one listed already, or another). A model listed twice is served once; none: the default
     model. Raises StartupError
     for an alias without ``=`` or two models with one id."""
-    listed = [*paths, *(models_in(models_dir) if models_dir else [])]
+    in_dir = models_in(models_dir) if models_dir else []
+    if models_dir and not in_dir:
+        raise StartupError(f"--models-dir {models_dir} holds no .gguf file and no Hugging Face directory")
+    listed = [*paths, *in_dir]
     found = [p for i, p in enumerate(listed) if os.path.realpath(p) not in map(os.path.realpath, listed[:i])]
     named: dict[str, str] = {}   # real path -> id given by an alias
     for alias in aliases:
