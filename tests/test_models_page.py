@@ -19,7 +19,8 @@ PLAIN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content
 def two_models(tiny_checkpoint) -> Iterator[Server]:
     qwen3 = tiny_checkpoint("qwen3", chat_template=CHAT_TEMPLATE)   # a thinking switch: levels none, on
     llama = tiny_checkpoint("llama", chat_template=PLAIN_TEMPLATE)
-    with lse_server(qwen3, "-m", str(llama), "--pool", "cpu:0", "--kv-len", "64") as server:
+    with lse_server(qwen3, "-m", str(llama), "--alias", f"qwen3={qwen3}", "--alias", f"llama={llama}",
+                    "--pool", "cpu:0", "--kv-len", "64") as server:
         yield server
 
 
