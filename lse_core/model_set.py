@@ -389,7 +389,8 @@ def _close(taken: list[api.LSE | None]) -> None:
     KV caches, and with the last reference gone (the list's: it is emptied) the file is unmapped. glibc keeps
     freed heap pages (arrays below its mmap threshold, which rises as big arrays are freed) until malloc_trim
     hands them back: without it a process's RSS after unloading SmolLM2 on cpu:0 grew with each load (244,
-    374, 411 MiB); with it, it stays at about 180 MiB, what the libraries themselves take."""
+    374, 411 MiB); with it, it stays at about 180 MiB, what the libraries themselves take
+    (benchmarks/model_unload.py)."""
     while taken:
         lse = taken.pop()
         if lse is not None:
