@@ -149,18 +149,27 @@ class ModelSet:
     def request(self, body: Any, on_event: Callable[[api.Event], None], endpoint: str = "chat") -> api.Request:
         """lse_request on the model the body names (waiting for it to open); an unknown or failed model is
         an error event, as any bad request is."""
-        try:
-            lease = self.lease(requested_model(body)).result()
-        except LSEError as e:
-            request = api.Request(None, endpoint, on_event)
-            request.emit(api.Event(api.EVENT_ERROR, e.body(), e.status))
+        lease = self._body_lease(body)
+        if isinstance(lease, LSEError):
+            request = api.Request(None, endpoint, on_event)   # no model: a request that only ends in its error
+            request.emit(api.Event(api.EVENT_ERROR, lease.body(), lease.status))
             return request
         return api.lse_request(lease.lse, body, lease.until_end(on_event), endpoint)
 
     def request_iter(self, body: Any, endpoint: str = "chat") -> Iterator[api.Event]:
-        """``request`` as an iterator (lse_request_iter's), on the model the body names."""
-        with self.using(requested_model(body)) as lse:
+        """``request`` as an iterator (lse_request_iter's); leaving the loop early cancels the request."""
+        lease = self._body_lease(body)
+        if isinstance(lease, LSEError):
+            yield api.Event(api.EVENT_ERROR, lease.body(), lease.status)
+            return
+        with lease as lse:
             yield from api.lse_request_iter(lse, body, endpoint)
+
+    def _body_lease(self, body: Any) -> Lease | LSEError:
+        try:
+            return self.lease(requested_model(body)).result()
+        except LSEError as e:
+            return e
 
     # ---- loading and unloading on purpose ----
 

@@ -79,6 +79,8 @@ def test_a_body_selects_its_model(two: list[ModelSpec]) -> None:
         events = []
         models.request({"model": "gpt-4o", "prompt": "x"}, events.append, "completion")
         assert [(ev.kind, ev.status) for ev in events] == [(EVENT_ERROR, 404)]
+        [error] = models.request_iter({"model": "gpt-4o", "prompt": "x"}, "completion")
+        assert (error.kind, error.data["error"]["code"]) == (EVENT_ERROR, "model_not_found")
     finally:
         models.close()
 
