@@ -28,6 +28,7 @@ from lse_core.graph.ir import Graph
 from lse_core.graph.plan import Placement, Plan
 from lse_core.limits import check_prompt_text, prompt_too_long, resolve_limit
 from lse_core.model.arch import build_graph
+from lse_core.model.catalog import model_id
 from lse_core.model.default import load_model
 from lse_core.model.model import Model
 from lse_core.sampling import GenerationDefaults, generation_defaults, resolve_sampling
@@ -116,8 +117,8 @@ def lse_open_or_raise(config: LSEConfig | dict[str, Any] | None = None) -> LSE:
     _log_plan(plan)
     engine = Engine(plan, model.tokenizer, config.parallel, config.max_queue, config.prefill_chunk)
     grammars = structured.GrammarTokenizer(model.tokenizer, _logits_width(graph))
-    return LSE(config, model, _model_id(model), template, thinking, defaults, context_length, registry,
-               devices, plan, engine, fallback, warnings, grammars)
+    return LSE(config, model, config.model_id or model_id(model.source), template, thinking, defaults,
+               context_length, registry, devices, plan, engine, fallback, warnings, grammars)
 
 
 def _check_deterministic(devices: list[Device]) -> None:
@@ -141,13 +142,6 @@ def lse_close(lse: LSE) -> None:
     lse.engine.close()
     for device in lse.devices:
         device.close()
-
-
-def _model_id(model: Model) -> str:
-    import os
-
-    name = os.path.basename(os.path.normpath(model.source))
-    return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
 def _logits_width(graph: Graph) -> int:
@@ -583,8 +577,12 @@ def lse_stream_error(error: LSEError, api: str = "chat", events_sent: int = 0) -
 
 def lse_models(lse: LSE, api: str = "chat") -> dict[str, Any]:
     """/v1/models: OpenAI's list, or Anthropic's for "messages" (its clients send anthropic-version)."""
-    entry = lse_model_info(lse)["served"]
-    return anthropic.model_list([entry]) if api == "messages" else {"object": "list", "data": [entry]}
+    return model_list([lse_model_info(lse)["served"]], api)
+
+
+def model_list(entries: list[dict[str, Any]], api: str = "chat") -> dict[str, Any]:
+    """/v1/models of these entries: OpenAI's list, or Anthropic's for "messages"."""
+    return anthropic.model_list(entries) if api == "messages" else {"object": "list", "data": entries}
 
 
 def lse_response(lse: LSE, response_id: str) -> dict[str, Any]:

@@ -18,9 +18,14 @@ SAMPLING_FLAGS = {  # flag -> request field
 }
 
 
-def add_engine_options(p: argparse.ArgumentParser) -> None:
-    """Options the CLI and lse-server share."""
-    p.add_argument("-m", "--model", help="a Hugging Face model directory or a .gguf file (default: SmolLM2-135M)")
+def add_engine_options(p: argparse.ArgumentParser, many_models: bool = False) -> None:
+    """Options the CLI and lse-server share; ``many_models``: -m may be repeated (lse-server)."""
+    if many_models:
+        p.add_argument("-m", "--model", action="append", default=[], dest="models",
+                       help="a Hugging Face model directory or a .gguf file; repeat it to serve several "
+                            "(default: SmolLM2-135M)")
+    else:
+        p.add_argument("-m", "--model", help="a Hugging Face model directory or a .gguf file (default: SmolLM2-135M)")
     p.add_argument("--kv-len", type=int, default=0,
                    help="context length in tokens (default: the model's, at most 4096)")
     p.add_argument("--pool", help="devices, e.g. gpu:0 or opencl:0,cpu:0 (default: the devices that come up)")
@@ -32,7 +37,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace, **extra: Any) -> LSEConfig:
-    return LSEConfig(model=args.model, kv_len=args.kv_len, pool=args.pool,
+    return LSEConfig(model=getattr(args, "model", None), kv_len=args.kv_len, pool=args.pool,
                      disable_cpu_fallback=args.no_cpu_fallback, deterministic=args.deterministic, **extra)
 
 
@@ -156,15 +161,25 @@ def status_main(argv: list[str]) -> int:
 
 
 def format_status(status: dict[str, Any]) -> str:
-    """lse_status as a readable table."""
+    """lse_status as a readable table, one per model."""
+    return "\n\n".join(_model_table(model) for model in status.get("models", [status]))
+
+
+def _model_table(status: dict[str, Any]) -> str:
     engine = status.get("engine", {})
     fb = engine.get("cpu_fallback", {})
-    rows = [("model", status.get("model")), ("context length", status.get("context_length")),
-            ("devices", ", ".join(d["name"] for d in status.get("devices", []))),
-            ("running / waiting", f"{engine.get('running')} / {engine.get('waiting')}"),
-            ("free KV slots", f"{engine.get('free_slots')} of {engine.get('slots')}"),
-            ("engine steps", engine.get("steps")),
-            ("CPU fallback", f"{'allowed' if fb.get('allowed') else 'refused'}, {fb.get('total', 0)} so far")]
+    rows = [("model", status.get("model")), ("state", status.get("state", "loaded"))]
+    if status.get("reason"):
+        rows.append(("reason", status["reason"]))
+    if status.get("memory_bytes") is not None:
+        rows.append(("memory, load time", f"{status['memory_bytes'] >> 20} MiB, {status['load_s']:.1f} s"))
+    if engine:
+        rows += [("context length", status.get("context_length")),
+                 ("devices", ", ".join(d["name"] for d in status.get("devices", []))),
+                 ("running / waiting", f"{engine.get('running')} / {engine.get('waiting')}"),
+                 ("free KV slots", f"{engine.get('free_slots')} of {engine.get('slots')}"),
+                 ("engine steps", engine.get("steps")),
+                 ("CPU fallback", f"{'allowed' if fb.get('allowed') else 'refused'}, {fb.get('total', 0)} so far")]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     for event in fb.get("events", []):

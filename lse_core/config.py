@@ -9,6 +9,7 @@ from dataclasses import dataclass
 @dataclass
 class LSEConfig:
     model: str | None = None          # HF directory or .gguf file; None means the default model
+    model_id: str | None = None       # the id requests name it by; None: from the file's name
     kv_len: int = 0                   # context length; 0 means min(model's trained context, 4096)
     max_tokens: int = 0               # operator cap on a reply; 0 means no cap
     temperature: float | None = None  # server-wide temperature default (reported as server_option)

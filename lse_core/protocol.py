@@ -799,10 +799,11 @@ def tokenized(ids: list[int], pieces: list[bytes] | None, context_length: int) -
     return {"tokens": tokens, "count": len(ids), "max_model_len": context_length}
 
 
-def model_entry(model_id: str, created: int, context_length: int, thinking: dict[str, Any],
-                defaults: GenerationDefaults, structured_outputs: dict[str, Any]) -> dict[str, Any]:
+def model_entry(model_id: str, created: int, context_length: int | None, thinking: dict[str, Any] | None,
+                defaults: GenerationDefaults | None, structured_outputs: dict[str, Any]) -> dict[str, Any]:
     """One /v1/models entry; ``thinking`` is the template's thinking object as the spec shows it,
-    ``structured_outputs`` what lse_core.structured supports."""
+    ``structured_outputs`` what lse_core.structured supports. None: not known before the model first loads."""
     return {"id": model_id, "object": "model", "created": created, "owned_by": "lse",
             "context_length": context_length, "thinking": thinking,
-            "generation_defaults": defaults.to_json(), "structured_outputs": structured_outputs}
+            "generation_defaults": defaults.to_json() if defaults is not None else None,
+            "structured_outputs": structured_outputs}

@@ -5,8 +5,9 @@ bodies); this module moves bytes. It reads and bounds request bodies, bridges en
 arrive on the engine's thread) into asyncio, writes JSON or server-sent events, and cancels a
 request whose client has gone, so its sequence ends at the next engine step and frees its KV slot.
 
-The engine opens in a background thread: the server binds at once and /health answers 503
-{"status": "loading"} until the model is ready.
+Every route that names a model leases it from the server's ModelSet (lse_core.model_set), which opens it
+on demand and keeps it open while the request runs. A server of one model opens it in the background at
+startup: it binds at once and /health answers 503 {"status": "loading"} until the model is ready.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import hmac
 import json
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lse_core import api
 from lse_core.adapters.common import integral
-from lse_core.errors import LSEError, StartupError, invalid_request, server_error
+from lse_core.errors import LSEError, invalid_request, server_error
+from lse_core.model_set import Lease, ModelSet, requested_model
 from lse_http.browser import HostCheckMiddleware
 from lse_http.metrics import prometheus_text
 from lse_http.openapi import OPENAPI, served_document
@@ -67,51 +71,24 @@ class RunningRequests(set[api.Request]):
             handle.cancel(error)
 
 
-class EngineLoader:
-    """Opens the engine in a thread; ``lse`` is None until it is ready. A startup failure calls
-    ``on_failure`` with the one-line reason (lse-server exits 1 from there)."""
-
-    def __init__(self, open_engine: Callable[[], api.LSE], on_failure: Callable[[str], None]) -> None:
-        self._open = open_engine
-        self._on_failure = on_failure
-        self.lse: api.LSE | None = None
-
-    def start(self) -> None:
-        threading.Thread(target=self._load, name="lse-load", daemon=True).start()
-
-    def _load(self) -> None:
-        try:
-            lse = self._open()
-        except StartupError as e:
-            self._on_failure(str(e))
-            return
-        except Exception as e:   # a bug, not a bad option: keep the traceback in the log
-            log.exception("lse: startup failed")
-            self._on_failure(f"{type(e).__name__}: {e}")
-            return
-        self.lse = lse
-        log.info("lse: serving %s (context %d tokens)", lse.model_id, lse.context_length)
-
-    def close(self) -> None:
-        if self.lse is not None:
-            api.lse_close(self.lse)
-
-
-def create_app(open_engine: Callable[[], api.LSE], *, api_key: str | None = None,
+def create_app(models: ModelSet, *, api_key: str | None = None,
                on_load_failure: Callable[[str], None] = lambda reason: None,
                max_body_bytes: int = MAX_BODY_BYTES, allowed_hosts: list[str] | None = None,
                cors_origins: list[str] | None = None, stall_timeout: float = STALL_TIMEOUT_S) -> Starlette:
-    """The lse-server app. ``open_engine`` runs in a background thread at startup. ``allowed_hosts``: the
-    Host names answered (None: any); ``cors_origins``: the origins whose pages may call the API (none by
-    default, so the browser refuses every other site's page; see lse_http.browser); ``stall_timeout``: how
-    long a stream may stay paused because its client reads nothing (StreamEvents)."""
-    loader = EngineLoader(open_engine, on_load_failure)
+    """The lse-server app over ``models``. With one model, it opens at startup, in the background, and a
+    failure calls ``on_load_failure`` with the one-line reason (lse-server exits 1 from there); with several,
+    each opens when first asked for. ``allowed_hosts``: the Host names answered (None: any); ``cors_origins``:
+    the origins whose pages may call the API (none by default, so the browser refuses every other site's
+    page; see lse_http.browser); ``stall_timeout``: how long a stream may stay paused because its client
+    reads nothing (StreamEvents)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        loader.start()
+        if len(models.ids) == 1:
+            app.state.starting = models.load(models.ids[0])
+            app.state.starting.add_done_callback(functools.partial(_started, on_load_failure))
         yield
-        await run_in_threadpool(loader.close)
+        await run_in_threadpool(models.close)
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -125,6 +102,8 @@ def create_app(open_engine: Callable[[], api.LSE], *, api_key: str | None = None
         Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
         Route("/v1/lse/model_info", model_info, methods=["GET"]),
         Route("/v1/lse/status", status, methods=["GET"]),
+        Route("/v1/lse/models/{model_id:path}/load", load_model, methods=["POST"]),
+        Route("/v1/lse/models/{model_id:path}/unload", unload_model, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
@@ -134,7 +113,8 @@ def create_app(open_engine: Callable[[], api.LSE], *, api_key: str | None = None
         Mount("/page", StaticFiles(directory=PAGE_DIR), name="page"),
     ]
     app = Starlette(routes=routes, exception_handlers=ERROR_HANDLERS, lifespan=lifespan)
-    app.state.loader = loader
+    app.state.models = models
+    app.state.starting = None   # the startup open of a one-model server, until it is done
     app.state.max_body_bytes = max_body_bytes
     app.state.running = RunningRequests()
     app.state.stall_timeout = stall_timeout
@@ -164,10 +144,10 @@ async def responses(request: Request) -> Response:
 
 
 async def stored_response(request: Request) -> Response:
-    lse, response_id = _engine(request), request.path_params["response_id"]
+    store, response_id = _models(request).responses, request.path_params["response_id"]
     if request.method == "DELETE":
-        return _json(api.lse_delete_response(lse, response_id))
-    return _json(api.lse_response(lse, response_id))
+        return _json(store.delete(response_id))
+    return _json(store.response(response_id))
 
 
 async def messages(request: Request) -> Response:
@@ -178,21 +158,23 @@ async def embeddings(request: Request) -> Response:
     """Blocks a worker thread until the vectors are done; a client that goes first cancels them."""
     body = await _read_json(request)
     cancel = threading.Event()
-    work = asyncio.ensure_future(run_in_threadpool(api.lse_embeddings, _engine(request), body, cancel))
-    gone = asyncio.ensure_future(_disconnected(request.receive))
-    await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-    gone.cancel()
-    if not work.done():
-        cancel.set()
-        with contextlib.suppress(LSEError):
-            await work
-        return Response(status_code=499)   # nobody reads it; the client is gone
+    with await _lease(request, body) as lse:
+        work = asyncio.ensure_future(run_in_threadpool(api.lse_embeddings, lse, body, cancel))
+        gone = asyncio.ensure_future(_disconnected(request.receive))
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not work.done():
+            cancel.set()
+            with contextlib.suppress(LSEError):
+                await work
+            return Response(status_code=499)   # nobody reads it; the client is gone
     return _json(work.result())
 
 
 async def count_tokens(request: Request) -> Response:
     body = await _read_json(request)
-    return _json(await run_in_threadpool(api.lse_count_tokens, _engine(request), body))
+    with await _lease(request, body) as lse:
+        return _json(await run_in_threadpool(api.lse_count_tokens, lse, body))
 
 
 StartRequest = Callable[[api.LSE, Any, Callable[[api.Event], None]], api.Request]
@@ -206,7 +188,7 @@ async def _complete(request: Request, start: StartRequest, typed: bool = False) 
     A stream's response starts only at the first event, so an error found before any token (a bad
     field, a prompt that fills the context, a full queue) keeps its own HTTP status."""
     body = await _read_json(request)
-    lse = _engine(request)
+    lease = await _lease(request, body)
     stream = isinstance(body, dict) and body.get("stream") is True
     loop = asyncio.get_running_loop()
     events = StreamEvents(request.app.state.stall_timeout)
@@ -216,7 +198,11 @@ async def _complete(request: Request, start: StartRequest, typed: bool = False) 
             loop.call_soon_threadsafe(events.put, event)
 
     # lse_request renders and tokenizes the prompt: work for a thread, not the event loop
-    handle = await run_in_threadpool(start, lse, body, on_event)
+    try:
+        handle = await run_in_threadpool(start, lease.lse, body, lease.until_end(on_event))
+    except BaseException:
+        lease.release()
+        raise
     events.handle = handle
     running: RunningRequests = request.app.state.running
     running.add(handle)
@@ -230,8 +216,8 @@ async def _complete(request: Request, start: StartRequest, typed: bool = False) 
     if first is None:
         handle.cancel()
         return Response(status_code=499)   # nobody reads it; the client is gone
-    if first.kind == api.EVENT_ERROR:
-        return _json(first.data, first.status)
+    if first.kind == api.EVENT_ERROR:   # the engine's queue full is a 503 too
+        return _json(first.data, first.status, _retry_after(first.status))
     if not stream:
         return _json(first.data)
     return EventStream(first, events, handle, typed, on_close=running.discard)
@@ -360,16 +346,23 @@ def _api_of(path: str) -> str:
 # ---- models, status, health ----
 
 async def list_models(request: Request) -> Response:
-    return _json(api.lse_models(_engine(request), _models_api(request)))
+    return _json(api.model_list(_models(request).entries(), _models_api(request)))
 
 
 async def get_model(request: Request) -> Response:
-    [entry] = api.lse_models(_engine(request), _models_api(request))["data"]
-    model_id = request.path_params["model_id"]
-    if model_id != entry["id"]:
-        raise LSEError(f"the model {model_id!r} is not served here; this server serves {entry['id']!r}",
-                       status=404, code="model_not_found", param="model")
-    return _json(entry)
+    return _json(_models(request).entry(request.path_params["model_id"]))
+
+
+async def load_model(request: Request) -> Response:
+    """Open the model now (again, after it failed) and answer its entry once it is open."""
+    _object(await _read_json(request))   # JSON only: a page elsewhere may not post here (lse_http.browser)
+    return _json(await asyncio.wrap_future(_models(request).load(request.path_params["model_id"])))
+
+
+async def unload_model(request: Request) -> Response:
+    """Close the model now (409 while it has requests running) and answer its entry."""
+    _object(await _read_json(request))
+    return _json(await run_in_threadpool(_models(request).unload, request.path_params["model_id"]))
 
 
 def _models_api(request: Request) -> str:
@@ -378,29 +371,31 @@ def _models_api(request: Request) -> str:
 
 
 async def model_info(request: Request) -> Response:
-    return _json(api.lse_model_info(_engine(request)))
+    """lse_model_info of ``?model=ID`` (the default model without it), opened if it is not."""
+    with await _lease(request, {"model": request.query_params.get("model")}) as lse:
+        return _json(api.lse_model_info(lse))
 
 
 async def status(request: Request) -> Response:
-    return _json(api.lse_status(_engine(request)))
+    """lse_status of ``?model=ID`` (the default model without it) and every model's, under ``models``."""
+    return _json(_models(request).status(request.query_params.get("model")))
 
 
 async def health(request: Request) -> Response:
-    if request.app.state.loader.lse is None:
+    if _starting(request):
         return _json({"status": "loading"}, 503)
     return _json({"status": "ok"})
 
 
 async def metrics(request: Request) -> Response:
-    lse = _engine(request)
-    text = prometheus_text(lse.stats.to_json(), lse.engine.load, lse.fallback.to_json())
+    models = _models(request)
+    text = prometheus_text(models.engines(), time.time() - models.started)
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def openapi(request: Request) -> Response:
-    lse = request.app.state.loader.lse   # while the model loads, token ids are not bounded yet
-    return _json(OPENAPI if lse is None else
-                 served_document(lse.model.tokenizer.vocab_size, int(lse.model.config["hidden_size"])))
+    bounds = request.app.state.models.vocabulary_bounds()   # before a model opens, token ids are not bounded
+    return _json(OPENAPI if bounds is None else served_document(*bounds))
 
 
 async def page(request: Request) -> Response:
@@ -412,13 +407,19 @@ async def page(request: Request) -> Response:
 async def tokenize(request: Request) -> Response:
     """llama.cpp's {"content"} or vLLM's {"prompt"} / {"messages"} -> {"tokens", "count", "max_model_len"}."""
     body = await _read_json(request)
-    return _json(await run_in_threadpool(api.lse_tokenize, _engine(request), body))
+    with await _lease(request, body) as lse:
+        return _json(await run_in_threadpool(api.lse_tokenize, lse, body))
 
 
 async def detokenize(request: Request) -> Response:
     """{"tokens": [int...]} -> {"content": str}."""
     body = _object(await _read_json(request))
-    tokenizer = _engine(request).model.tokenizer
+    with await _lease(request, body) as lse:
+        return _json(await _detokenize(lse, body))
+
+
+async def _detokenize(lse: api.LSE, body: dict[str, Any]) -> dict[str, str]:
+    tokenizer = lse.model.tokenizer
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
         raise invalid_request("tokens must be an array of token ids",
@@ -429,8 +430,7 @@ async def detokenize(request: Request) -> Response:
             code = "invalid_value" if isinstance(token, int) and not isinstance(token, bool) else "invalid_type"
             raise invalid_request(f"tokens[{i}] must be a token id from 0 to {tokenizer.vocab_size - 1}",
                                   code, f"tokens[{i}]")
-    content = await run_in_threadpool(tokenizer.decode, tokens)
-    return _json({"content": content})
+    return {"content": await run_in_threadpool(tokenizer.decode, tokens)}
 
 
 # ---- bodies, errors, auth ----
@@ -475,12 +475,35 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
-def _engine(request: Request) -> api.LSE:
-    lse = request.app.state.loader.lse
-    if lse is None:
+def _started(on_failure: Callable[[str], None], opened: Future[dict[str, Any]]) -> None:
+    """A one-model server's startup open is done: log it, or report its failure."""
+    if opened.exception() is not None:
+        on_failure(str(opened.exception()))
+    else:
+        log.info("lse: serving %s (context %d tokens)", opened.result()["id"], opened.result()["context_length"])
+
+
+def _starting(request: Request) -> bool:
+    starting = request.app.state.starting
+    return starting is not None and not starting.done()
+
+
+def _models(request: Request) -> ModelSet:
+    if _starting(request):
         raise server_error("the model is still loading; retry when /health answers 200", code="loading",
                            status=503)
-    return lse
+    return request.app.state.models
+
+
+async def _lease(request: Request, body: Any) -> Lease:
+    """The model the body names, leased for this request: the one place a request's model is resolved. It
+    waits while the model opens; a client that leaves meanwhile gives the lease back once it is granted."""
+    future = _models(request).lease(requested_model(body))
+    try:
+        return await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().release())
+        raise
 
 
 def _dumps(data: Any) -> bytes:
@@ -499,7 +522,12 @@ def _error(path: str, error: LSEError, headers: dict[str, str] | None = None) ->
 
 async def _lse_error(request: Request, e: Exception) -> Response:
     assert isinstance(e, LSEError)
-    return _error(request.url.path, e, {"Retry-After": "1"} if e.status == 503 else None)
+    return _error(request.url.path, e, _retry_after(e.status))
+
+
+def _retry_after(status: int) -> dict[str, str] | None:
+    """A 503 (loading, a full queue, shutting down) tells the client when to try again."""
+    return {"Retry-After": "1"} if status == 503 else None
 
 
 async def _http_error(request: Request, e: Exception) -> Response:

@@ -56,7 +56,8 @@ ERROR_STATUSES = (400, 401, 403, 404, 413, 415, 500, 503)
 ERRORS = {str(status): {"$ref": f"#/components/responses/Error{status}"} for status in ERROR_STATUSES}
 
 SAMPLING_FIELDS = {   # each may be null: null means not sent (spec/API.md)
-    "model": {"type": "string", "description": "must name the served model when sent"},
+    "model": {"type": "string", "description": "one of the served models (GET /v1/models), by id; the first "
+                                               "listed when not sent"},
     "stream": nullable(BOOLEAN),
     "stream_options": nullable(obj([], {"include_usage": nullable(BOOLEAN)})),
     "max_tokens": nullable({"type": "integer", "minimum": 1}),
@@ -159,11 +160,33 @@ def choice(required: list[str], content: dict[str, Any], stop_reason: dict[str, 
                 "logprobs": LOGPROBS})
 
 
+MODEL_STATE = {"enum": ["loaded", "loading", "unloaded", "failed"]}
+MODEL_STATUS = {   # one model's lse_status: its state, and while it is loaded its engine's
+    "state": MODEL_STATE, "reason": nullable(STRING), "requests": COUNT, "queued": COUNT, "idle_s": nullable(NUMBER),
+    "memory_bytes": nullable(COUNT), "load_s": nullable(NUMBER),
+    "model": STRING, "context_length": COUNT,
+    "devices": {"type": "array", "items": ref("Device")},
+    "placements": {"type": "array", "items": obj(["group", "layer", "ops", "device", "cpu_fallback"], {
+        "group": COUNT, "layer": INTEGER, "ops": {"type": "array", "items": STRING},
+        "device": nullable(STRING), "cpu_fallback": nullable(STRING)},
+        description="each fused group of the plan and the device that runs it (null: refused)")},
+    "declined": {"type": "array", "items": STRING}, "startup_warnings": {"type": "array", "items": STRING},
+    "engine": obj(["steps", "running", "waiting", "paused", "slots", "free_slots", "cpu_fallback"], {
+        "steps": COUNT, "running": COUNT, "waiting": COUNT, "paused": COUNT, "slots": COUNT, "free_slots": COUNT,
+        "cpu_fallback": ref("CPUFallback")}),
+    "stats": obj(["requests", "prompt_tokens", "cached_tokens", "completion_tokens"], {
+        "uptime_s": NUMBER,
+        "requests": {"type": "array", "items": obj(["endpoint", "outcome", "count"], {
+            "endpoint": STRING, "outcome": STRING, "count": COUNT})},
+        "prompt_tokens": COUNT, "cached_tokens": COUNT, "completion_tokens": COUNT}),
+}
+
 SCHEMAS: dict[str, Any] = {
     "Error": obj(["error"], {"error": obj(["message", "type", "code", "param"], {
         "message": STRING, "type": STRING, "code": nullable(STRING), "param": nullable(STRING),
         "levels": {"type": "array", "items": STRING, "description": "thinking errors: the model's level ids"},
         "lse_context": ref("LSEContext"),
+        "models": {"type": "array", "items": STRING, "description": "model_not_found: the served model ids"},
     })}),
     "ChatCompletionRequest": obj(["messages"], {"messages": {"type": "array", "minItems": 1, "items": MESSAGE},
                                                 "logprobs": nullable(BOOLEAN),
@@ -219,7 +242,9 @@ SCHEMAS: dict[str, Any] = {
     "Model": obj(["id", "object", "created", "owned_by", "context_length", "thinking", "generation_defaults",
                   "structured_outputs"], {
         "id": STRING, "object": {"const": "model"}, "created": INTEGER, "owned_by": STRING,
-        "context_length": COUNT, "thinking": ref("Thinking"), "generation_defaults": ref("GenerationDefaults"),
+        "context_length": nullable(COUNT), "thinking": nullable(ref("Thinking")),
+        "generation_defaults": nullable(ref("GenerationDefaults")),
+        "state": MODEL_STATE, "reason": nullable(STRING),   # in /v1/models (not model_info's served)
         "structured_outputs": obj(["supported", "engine", "kinds", "fields", "tool_choice"], {
             "supported": BOOLEAN, "engine": STRING, "kinds": {"type": "array", "items": STRING},
             "fields": {"type": "array", "items": STRING}, "tool_choice": {"type": "array", "items": STRING}})}),
@@ -237,22 +262,10 @@ SCHEMAS: dict[str, Any] = {
         "plan": obj(["groups", "cpu_fallback_groups"], {"groups": COUNT, "cpu_fallback_groups": {
             "type": "array", "items": STRING}}),
         "served": ref("Model")}),
-    "Status": obj(["object", "model", "context_length", "devices", "placements", "engine", "stats"], {
-        "object": {"const": "lse.status"}, "model": STRING, "context_length": COUNT,
-        "devices": {"type": "array", "items": ref("Device")},
-        "placements": {"type": "array", "items": obj(["group", "layer", "ops", "device", "cpu_fallback"], {
-            "group": COUNT, "layer": INTEGER, "ops": {"type": "array", "items": STRING},
-            "device": nullable(STRING), "cpu_fallback": nullable(STRING)},
-            description="each fused group of the plan and the device that runs it (null: refused)")},
-        "declined": {"type": "array", "items": STRING}, "startup_warnings": {"type": "array", "items": STRING},
-        "engine": obj(["steps", "running", "waiting", "paused", "slots", "free_slots", "cpu_fallback"], {
-            "steps": COUNT, "running": COUNT, "waiting": COUNT, "paused": COUNT, "slots": COUNT, "free_slots": COUNT,
-            "cpu_fallback": ref("CPUFallback")}),
-        "stats": obj(["requests", "prompt_tokens", "cached_tokens", "completion_tokens"], {
-            "uptime_s": NUMBER,
-            "requests": {"type": "array", "items": obj(["endpoint", "outcome", "count"], {
-                "endpoint": STRING, "outcome": STRING, "count": COUNT})},
-            "prompt_tokens": COUNT, "cached_tokens": COUNT, "completion_tokens": COUNT})}),
+    "Status": obj(["object", "model", "state", "models"], {
+        "object": {"const": "lse.status"}, **MODEL_STATUS,
+        "models": {"type": "array", "items": obj(["model", "state"], MODEL_STATUS)}},
+        description="the asked for (or default) model's status; each model's under models"),
     "CPUFallback": obj(["allowed", "total", "events"], {
         "allowed": BOOLEAN, "total": COUNT,
         "events": {"type": "array", "items": obj(["cause", "count"], {"cause": STRING, "count": COUNT})}}),
@@ -324,7 +337,8 @@ REPLY_SCHEMAS: dict[str, Any] = {
             "type": {"enum": ["invalid_request_error", "authentication_error", "permission_error", "not_found_error",
                               "request_too_large", "rate_limit_error", "overloaded_error", "api_error"]},
             "message": STRING, "code": nullable(STRING), "param": nullable(STRING),
-            "levels": {"type": "array", "items": STRING}, "lse_context": ref("LSEContext")})}),
+            "levels": {"type": "array", "items": STRING}, "lse_context": ref("LSEContext"),
+            "models": {"type": "array", "items": STRING}})}),
     "TokenCount": obj(["input_tokens"], {"input_tokens": COUNT}),
     "EmbeddingList": obj(["object", "data", "model", "usage"], {
         "object": {"const": "list"}, "model": STRING,
@@ -359,8 +373,9 @@ ERROR_TEXT = {400: "invalid request (invalid_json, invalid_type, invalid_value, 
               403: "bound to loopback, the Host header names another host (host_not_allowed)",
               404: "no such route or model", 413: "request body over 8 MiB",
               415: "the body is not sent as Content-Type: application/json (unsupported_media_type)",
-              500: "server_error: an engine failure, or CPU fallback disabled: <group>",
-              503: "the model is loading, or the request queue is full"}
+              500: "server_error: an engine failure, CPU fallback disabled: <group>, or the model failed to load "
+                   "(model_load_failed)",
+              503: "the model is loading, or the request queue (or a model's queue while it loads) is full"}
 
 
 def completion_path(summary: str, request: str, response: str, chunk: str) -> dict[str, Any]:
@@ -407,6 +422,18 @@ def post(summary: str, request: str, response: str, errors: dict[str, Any] = ERR
                      "responses": {"200": json_body(ref(response), summary), **errors}}}
 
 
+MODEL_QUERY = {"name": "model", "in": "query", "required": False, "schema": STRING}
+
+
+def model_action(summary: str) -> dict[str, Any]:
+    """POST /v1/lse/models/{id}/load or /unload: an empty JSON object in, the model's entry out."""
+    busy = json_body(ref("Error"), "the model is loading, or has requests running (model_busy)")
+    return {"post": {"summary": summary,
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": obj([], {})}}},
+                     "responses": {"200": json_body(ref("Model"), summary), **ERRORS, "409": busy}},
+            "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": STRING}]}
+
+
 OPENAPI: dict[str, Any] = {
     "openapi": "3.1.0",
     "info": {"title": "LSE", "version": "0.1.0",
@@ -441,12 +468,17 @@ OPENAPI: dict[str, Any] = {
                                           "TokenCount", ANTHROPIC_ERRORS),
         "/v1/embeddings": post("Pooled, L2-normalized final hidden states of each input", "EmbeddingsRequest",
                                "EmbeddingList"),
-        "/v1/models": get("The served model", "ModelList", 503),
+        "/v1/models": get("The served models, each with its state", "ModelList", 503),
         "/v1/models/{model_id}": {**get("One model", "Model", 404, 503),
                                   "parameters": [{"name": "model_id", "in": "path", "required": True,
                                                   "schema": STRING}]},
-        "/v1/lse/model_info": get("lse_model_info", "ModelInfo", 503),
-        "/v1/lse/status": get("lse_status", "Status", 503),
+        "/v1/lse/model_info": {**get("lse_model_info of ?model (the default model without it), loaded if it is "
+                                     "not", "ModelInfo", 404, 503), "parameters": [MODEL_QUERY]},
+        "/v1/lse/status": {**get("lse_status of ?model (the default model without it), and each model's",
+                                 "Status", 404, 503), "parameters": [MODEL_QUERY]},
+        "/v1/lse/models/{model_id}/load": model_action("Load the model (again, after it failed); its entry once "
+                                                       "loaded"),
+        "/v1/lse/models/{model_id}/unload": model_action("Unload the model; its entry"),
         "/health": {"get": {"summary": "200 when the model is loaded, 503 while it loads", "security": [],
                             "responses": {"200": json_body(ref("Health"), "ready"),
                                           "503": json_body(ref("Health"), "loading")}}},

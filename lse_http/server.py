@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -24,7 +25,18 @@ from lse_core.cli import add_engine_options, config_from_args
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lse-server", description="Serve a language model over an OpenAI-compatible "
                                 "HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /metrics...).")
-    add_engine_options(p)
+    add_engine_options(p, many_models=True)
+    p.add_argument("--models-dir", help="serve every .gguf file and Hugging Face directory in DIR, each by its name")
+    p.add_argument("--alias", action="append", default=[], metavar="ID=PATH",
+                   help="serve the model at PATH as ID (repeatable)")
+    p.add_argument("--max-models", type=int, default=0,
+                   help="models open at once; the least recently used idle one is unloaded to open another "
+                        "(default: 0, no limit)")
+    p.add_argument("--memory-budget", type=_size, default=0, metavar="SIZE",
+                   help="memory the open models may take together, e.g. 8G or 512M; the least recently used idle "
+                        "ones are unloaded to fit another (default: 0, no limit)")
+    p.add_argument("--idle-unload", type=float, default=0.0, metavar="SECONDS",
+                   help="unload a model after this many seconds without a request (default: 0, never)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=0,
@@ -63,6 +75,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size(value: str) -> int:
+    """Bytes of ``8G``, ``512M``, ``1.5GiB``, ``4096``..., in powers of 1024."""
+    text = value.strip().upper().removesuffix("B").removesuffix("I")
+    unit = text[-1:] if text[-1:] in SIZE_UNITS else ""
+    try:
+        size = float(text[: len(text) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a size such as 8G, 512M or 4096") from None
+    if not 0 <= size < 1 << 60:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a size such as 8G, 512M or 4096")
+    return int(size * SIZE_UNITS[unit])
+
+
 def _names(value: str) -> list[str]:
     return [name.strip() for name in value.split(",") if name.strip()]
 
@@ -77,9 +105,19 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args, max_tokens=args.max_tokens, temperature=args.temperature,
                               parallel=args.parallel)
 
-    from lse_core.api import lse_open_or_raise
+    from lse_core.errors import StartupError
+    from lse_core.model.catalog import model_specs
+    from lse_core.model_set import ModelSet, Policy
     from lse_http.app import create_app
     from lse_http.browser import allowed_hosts
+
+    try:
+        specs = model_specs(args.models, args.models_dir, args.alias)
+    except StartupError as e:
+        print(f"lse-server: {e}", file=sys.stderr)
+        return 1
+    policy = Policy(max_models=args.max_models, memory_budget=args.memory_budget, idle_unload=args.idle_unload,
+                    max_waiting=config.max_queue)
 
     failures: list[str] = []
 
@@ -92,9 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.replicas or args.ray_address or args.autoscaling_config:
         from lse_ray.cluster import serve_replicas
 
+        if len(specs) > 1:
+            print("lse-server: --replicas serves one model; give one -m (or run a Ray Serve application per model)",
+                  file=sys.stderr)
+            return 1
+        config = dataclasses.replace(config, model=specs[0].path, model_id=specs[0].id)
         return serve_replicas(args, config, {"api_key": args.api_key, "allowed_hosts": hosts,
                                              "cors_origins": args.cors_origins, "stall_timeout": args.stall_timeout})
-    app = create_app(lambda: lse_open_or_raise(config), api_key=args.api_key, on_load_failure=startup_failed,
+    app = create_app(ModelSet(specs, config, policy), api_key=args.api_key, on_load_failure=startup_failed,
                      allowed_hosts=hosts, cors_origins=args.cors_origins, stall_timeout=args.stall_timeout)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.shutdown_timeout + DRAIN_GRACE_S),
@@ -149,6 +192,10 @@ def _check_options(args: argparse.Namespace) -> str | None:
         return f"--replicas must be 0 (no Ray) or more, got {args.replicas}"
     if args.parallel < 1:
         return f"--parallel must be at least 1, got {args.parallel}"
+    if args.max_models < 0:
+        return f"--max-models must be 0 (no limit) or more, got {args.max_models}"
+    if args.idle_unload < 0:
+        return f"--idle-unload must be 0 (never) or more seconds, got {args.idle_unload}"
     if args.max_tokens < 0:
         return f"--max-tokens must be 0 (no cap) or more, got {args.max_tokens}"
     if args.kv_len < 0:

@@ -16,9 +16,10 @@ import ray
 from ray import serve
 from starlette.types import Message
 
-from lse_core.api import lse_open_or_raise, lse_status
 from lse_core.config import LSEConfig
 from lse_core.errors import StartupError
+from lse_core.model.catalog import ModelSpec, model_id
+from lse_core.model_set import ModelSet
 from lse_http.app import create_app
 from lse_ray.forward import ForwardedRequest, run_asgi
 
@@ -27,15 +28,15 @@ class LSEReplica:
     """``engine``: LSEConfig's fields; ``server``: create_app's options (api_key, allowed_hosts, ...)."""
 
     async def __init__(self, engine: dict[str, Any], server: dict[str, Any]) -> None:
-        failures: list[str] = []
-        self.app = create_app(lambda: lse_open_or_raise(LSEConfig(**engine)), on_load_failure=failures.append,
-                              **server)
+        config = LSEConfig(**engine)
+        self.models = ModelSet([ModelSpec(config.model_id or model_id(config.model), config.model)], config)
+        self.app = create_app(self.models, **server)
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()   # opens the engine in a thread; the replica is ready once it is open
-        while self.app.state.loader.lse is None:
-            if failures:
-                raise StartupError(failures[0])
-            await asyncio.sleep(0.05)
+        try:
+            await asyncio.wrap_future(self.app.state.starting)
+        except Exception as e:   # the deployment fails with the model's one-line startup reason
+            raise StartupError(str(e)) from None
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()
 
@@ -45,7 +46,7 @@ class LSEReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """This replica's entry in /v1/lse/status's ``replicas``."""
-        status = lse_status(self.app.state.loader.lse)
+        status = self.models.status()
         return {"replica": self.replica_id, "node": self.node_id, "pid": os.getpid(),
                 **{k: status[k] for k in ("devices", "engine", "stats")}}
 

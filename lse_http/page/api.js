@@ -41,6 +41,14 @@ export async function getJSON(path) {
   return response.json();
 }
 
+export async function postJSON(path, body) {
+  const response = await fetch(path, {
+    method: "POST", headers: headers(true), body: JSON.stringify(body), cache: "no-store",
+  });
+  if (!response.ok) throw await failure(response);
+  return response.json();
+}
+
 // POSTs `body` with stream: true and calls onChunk with each server-sent event's JSON until [DONE].
 // Aborting `signal` closes the connection, which the server takes as a cancel (stop_reason cancelled);
 // the promise then rejects with an AbortError. An error sent inside the stream rejects with ApiError.

@@ -3,10 +3,11 @@
 // thinking levels and sampling defaults from /v1/models, and what runs where from /v1/lse/status.
 // Every text that comes from the model or the server is set as textContent (render.js for replies).
 
-import { ApiError, apiKey, getJSON, streamJSON } from "./api.js";
+import { ApiError, apiKey, getJSON, postJSON, streamJSON } from "./api.js";
 import { copyText, element, renderMarkdown } from "./render.js";
 
-const STORAGE = { conversations: "lse.conversations", current: "lse.current", settings: "lse.settings" };
+const STORAGE = { conversations: "lse.conversations", current: "lse.current", settings: "lse.settings",
+  model: "lse.model" };
 // The sampling fields the page offers, and the generation_defaults entry that prefills each.
 const SAMPLING = [
   { field: "temperature", label: "Temperature", step: "0.05", min: "0" },
@@ -460,7 +461,7 @@ function planDevices() {
 
 async function refreshStatus() {
   try {
-    state.status = await getJSON("v1/lse/status");
+    state.status = await getJSON(`v1/lse/status?model=${encodeURIComponent(state.model?.id ?? "")}`);
   } catch (error) {
     state.status = null;
     $("#devices").replaceChildren(element("p", "error", `Status unavailable: ${error.message}`));
@@ -552,6 +553,45 @@ function askForKey(reason) {
   if (!dialog.open) dialog.showModal();
 }
 
+// ---- the model set: several models behind one server, each loaded when asked for ----
+
+// A model's entry once it is loaded: before its first load the server knows no thinking levels or defaults.
+async function opened(model) {
+  if (model.state === "loaded") return model;
+  showBanner(`Loading ${model.id}…`);
+  return postJSON(`v1/lse/models/${encodeURIComponent(model.id)}/load`, {});
+}
+
+function showModels(models) {
+  const picker = $("#model-choice");
+  picker.hidden = models.length < 2;
+  picker.replaceChildren(...models.map((m) => {
+    const option = element("option", null, m.state === "failed" ? `${m.id} (failed)` : m.id);
+    option.value = m.id;
+    if (m.reason) option.title = m.reason;
+    return option;
+  }));
+  picker.value = state.model.id;
+}
+
+async function chooseModel(id) {
+  stop();
+  try {
+    const models = (await getJSON("v1/models")).data;
+    state.model = await opened(models.find((m) => m.id === id));
+    localStorage.setItem(STORAGE.model, id);
+    showModels(models);
+  } catch (error) {
+    showBanner(`${id}: ${error.message}`);
+    $("#model-choice").value = state.model.id;
+    return;
+  }
+  showBanner("");
+  await refreshStatus();
+  setUpModel();
+  render();
+}
+
 // ---- start ----
 
 function showBanner(text) {
@@ -562,8 +602,10 @@ function showBanner(text) {
 
 async function connect() {
   try {
-    const models = await getJSON("v1/models");
-    state.model = models.data[0];
+    const models = (await getJSON("v1/models")).data;
+    const kept = localStorage.getItem(STORAGE.model);
+    state.model = await opened(models.find((m) => m.id === kept) ?? models[0]);
+    showModels(models);
   } catch (error) {
     if (error.status === 401) {
       showBanner("");
@@ -598,6 +640,7 @@ function toggleOverlay(id) {
 }
 
 function wire() {
+  $("#model-choice").addEventListener("change", (event) => chooseModel(event.target.value));
   $("#composer").addEventListener("submit", (event) => {
     event.preventDefault();
     send();
