@@ -161,8 +161,12 @@ def status_main(argv: list[str]) -> int:
 
 
 def format_status(status: dict[str, Any]) -> str:
-    """lse_status as a readable table, one per model."""
-    return "\n\n".join(_model_table(model) for model in status.get("models", [status]))
+    """lse_status as a readable table, one per model, then the replicas behind lse-server --replicas (lse_ray)."""
+    tables = [_model_table(model) for model in status.get("models", [status])]
+    if "replicas" in status:
+        tables.append("\n".join([f"replicas ({len(status['replicas'])})",
+                                 *(_replica_line(replica) for replica in status["replicas"])]))
+    return "\n\n".join(tables)
 
 
 def _model_table(status: dict[str, Any]) -> str:
@@ -184,9 +188,6 @@ def _model_table(status: dict[str, Any]) -> str:
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     for event in fb.get("events", []):
         lines.append(f"{'':<{width}}  {event['count']:>8}  {event['cause']}")
-    if "replicas" in status:   # behind lse-server --replicas (lse_ray)
-        lines.append(f"replicas ({len(status['replicas'])})")
-        lines.extend(_replica_line(replica) for replica in status["replicas"])
     return "\n".join(lines)
 
 
