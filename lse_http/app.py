@@ -35,8 +35,8 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lse_core import api
-from lse_core.adapters.common import integral
 from lse_core.errors import LSEError, StartupError, invalid_request, server_error
+from lse_core.protocol import parse_detokenize
 from lse_http.browser import HostCheckMiddleware
 from lse_http.metrics import prometheus_text
 from lse_http.openapi import OPENAPI, served_document
@@ -403,18 +403,8 @@ async def tokenize(request: Request) -> Response:
 
 async def detokenize(request: Request) -> Response:
     """{"tokens": [int...]} -> {"content": str}."""
-    body = _object(await _read_json(request))
     tokenizer = _engine(request).model.tokenizer
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list):
-        raise invalid_request("tokens must be an array of token ids",
-                              "missing_field" if tokens is None else "invalid_type", "tokens")
-    tokens = [integral(token) for token in tokens]
-    for i, token in enumerate(tokens):
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < tokenizer.vocab_size:
-            code = "invalid_value" if isinstance(token, int) and not isinstance(token, bool) else "invalid_type"
-            raise invalid_request(f"tokens[{i}] must be a token id from 0 to {tokenizer.vocab_size - 1}",
-                                  code, f"tokens[{i}]")
+    tokens = parse_detokenize(await _read_json(request), tokenizer.vocab_size)
     content = await run_in_threadpool(tokenizer.decode, tokens)
     return _json({"content": content})
 
@@ -453,12 +443,6 @@ def _check_json_media_type(content_type: str) -> None:
 
 def _too_large(limit: int) -> LSEError:
     return LSEError(f"the request body is larger than {limit} bytes", status=413, code="body_too_large")
-
-
-def _object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise invalid_request("the request body must be a JSON object", "invalid_type")
-    return body
 
 
 def _engine(request: Request) -> api.LSE:
