@@ -32,7 +32,10 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, TypeAdapter, computed_field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from lse_core.adapters.common import checked
 from lse_core.adapters.openai import (
@@ -363,46 +366,84 @@ class Choice:
     logprobs: list[TokenLogprob] | None = None
 
 
-@dataclass
+# Usage, Timings and LSEWarning are pydantic dataclasses: /openapi.json takes their schemas from them
+# (their serialized shape, computed fields included), so each reply part is declared once.
+SHAPE = ConfigDict(json_schema_serialization_defaults_required=True)   # every field is in the JSON
+Count = Annotated[int, Field(ge=0)]
+
+
+@pydantic_dataclass(frozen=True)
+class PromptTokensDetails:
+    cached_tokens: Count
+
+
+@pydantic_dataclass(frozen=True)
+class CompletionTokensDetails:
+    reasoning_tokens: Count
+
+
+@pydantic_dataclass(config=SHAPE)
 class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-    reasoning_tokens: int = 0     # of the completion tokens, those written inside the reasoning block
+    prompt_tokens: Count       # the whole prompt, cached tokens included
+    completion_tokens: Count
+    cached_tokens: Count = Field(0, exclude=True)
+    reasoning_tokens: Count = Field(0, exclude=True)
+
+    @computed_field
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @computed_field
+    @property
+    def prompt_tokens_details(self) -> PromptTokensDetails:
+        return PromptTokensDetails(self.cached_tokens)
+
+    @computed_field(description="of the completion tokens, those written inside the reasoning block")
+    @property
+    def completion_tokens_details(self) -> CompletionTokensDetails:
+        return CompletionTokensDetails(self.reasoning_tokens)
 
     def to_json(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-                "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens}}
+        return _USAGE.dump_python(self)
 
 
-@dataclass
+@pydantic_dataclass(config=SHAPE)
 class Timings:
-    prompt_n: int
+    prompt_n: Count            # prompt tokens computed (cached ones are not)
     prompt_ms: float
-    predicted_n: int
+    predicted_n: Count
     predicted_ms: float
 
+    @computed_field
+    @property
+    def prompt_per_second(self) -> float:
+        return _per_second(self.prompt_n, self.prompt_ms)
+
+    @computed_field
+    @property
+    def predicted_per_second(self) -> float:
+        return _per_second(self.predicted_n, self.predicted_ms)
+
     def to_json(self) -> dict[str, Any]:
-        return {"prompt_n": self.prompt_n, "prompt_ms": self.prompt_ms,
-                "prompt_per_second": _per_second(self.prompt_n, self.prompt_ms),
-                "predicted_n": self.predicted_n, "predicted_ms": self.predicted_ms,
-                "predicted_per_second": _per_second(self.predicted_n, self.predicted_ms)}
+        return _TIMINGS.dump_python(self)
 
 
-@dataclass
+@pydantic_dataclass
 class LSEWarning:
-    """One lse_warnings entry: a CPU fallback cause and how often this request ran it, or (count None)
-    another warning about the reply, such as structured output cut short."""
+    """One lse_warnings entry: a CPU fallback cause and how often this request ran it, or (count None,
+    left out of the JSON) another warning about the reply, such as structured output cut short."""
 
     cause: str
-    count: int | None
-    type: str = "cpu_fallback"
+    count: Count | None = Field(None, description="a cpu_fallback's runs in this request")
+    type: Literal["cpu_fallback", "structured_output_incomplete"] = "cpu_fallback"
 
     def to_json(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"type": self.type, "cause": self.cause}
-        return body if self.count is None else body | {"count": self.count}
+        return _WARNING.dump_python(self, exclude_none=True)
+
+
+_USAGE, _TIMINGS, _WARNING = TypeAdapter(Usage), TypeAdapter(Timings), TypeAdapter(LSEWarning)
+REPLY_PARTS = (Usage, Timings, LSEWarning)   # the reply shapes declared here, for /openapi.json
 
 
 @dataclass

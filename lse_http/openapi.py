@@ -1,6 +1,7 @@
 """The OpenAPI 3.1 document served at /openapi.json. Every request body's schema comes from the pydantic
-model that checks it (lse_core.adapters); the replies' schemas are written here from spec/API.md and
-lse_core/protocol.py. Its schemas are JSON Schema 2020-12; the server tests validate real responses
+model that checks it (lse_core.adapters), and so do the reply parts lse_core.protocol declares as pydantic
+dataclasses (usage, timings, lse_warnings entries); the rest of the replies' schemas are written here
+from spec/API.md and lse_core/protocol.py. Its schemas are JSON Schema 2020-12; the server tests validate real responses
 against them, so a change to a reply's shape must change this file too."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from lse_core.adapters.common import TOKEN_ID_MARK, WIDTH_MARK
 from lse_core.adapters.openai import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeBody
 from lse_core.adapters.responses import ResponsesRequest
 from lse_core.embeddings import EmbeddingsRequest
+from lse_core.protocol import REPLY_PARTS
 
 
 def ref(name: str) -> dict[str, str]:
@@ -98,21 +100,8 @@ SCHEMAS: dict[str, Any] = {
         "text": STRING, "reasoning_content": STRING}, STOP_REASON)),
     "TextCompletionChunk": chunk_object("text_completion", choice(["text"], {
         "text": STRING, "reasoning_content": STRING}, nullable(STOP_REASON))),
-    "Usage": obj(["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details",
-                  "completion_tokens_details"], {
-        "prompt_tokens": COUNT, "completion_tokens": COUNT, "total_tokens": COUNT,
-        "prompt_tokens_details": obj(["cached_tokens"], {"cached_tokens": COUNT}),
-        "completion_tokens_details": obj(["reasoning_tokens"], {"reasoning_tokens": COUNT},
-                                         description="of the completion tokens, those inside the reasoning block")}),
     "LSEContext": obj(["tokens_used", "context_length", "tokens_remaining"], {
         "tokens_used": COUNT, "context_length": COUNT, "tokens_remaining": COUNT}),
-    "Timings": obj(["prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms",
-                    "predicted_per_second"], {
-        "prompt_n": COUNT, "prompt_ms": NUMBER, "prompt_per_second": NUMBER,
-        "predicted_n": COUNT, "predicted_ms": NUMBER, "predicted_per_second": NUMBER}),
-    "LSEWarning": obj(["type", "cause"], {"type": {"enum": ["cpu_fallback", "structured_output_incomplete"]},
-                                          "cause": STRING, "count": COUNT},
-                      description="count: a cpu_fallback's runs in this request"),
     "Thinking": obj(["supported", "source", "toggle", "effort", "default_level", "levels"], {
         "supported": BOOLEAN, "source": nullable(STRING), "toggle": nullable({"const": "enable_thinking"}),
         "effort": nullable({"const": "reasoning_effort"}), "default_level": nullable(STRING),
@@ -241,11 +230,13 @@ REPLY_SCHEMAS: dict[str, Any] = {
 }
 
 
-def request_schemas() -> dict[str, Any]:
-    """Every request body as the pydantic model that checks it declares it."""
-    models = (ChatCompletionRequest, CompletionRequest, TokenizeBody, DetokenizeRequest, ResponsesRequest,
-              MessagesRequest, CountTokensRequest, EmbeddingsRequest)
-    _, schema = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
+def model_schemas() -> dict[str, Any]:
+    """Every request body as the pydantic model that checks it declares it, and the reply parts that
+    lse_core.protocol builds from pydantic dataclasses as they serialize."""
+    requests = (ChatCompletionRequest, CompletionRequest, TokenizeBody, DetokenizeRequest, ResponsesRequest,
+                MessagesRequest, CountTokensRequest, EmbeddingsRequest)
+    _, schema = models_json_schema([(m, "validation") for m in requests] + [(m, "serialization") for m in REPLY_PARTS],
+                                   ref_template="#/components/schemas/{model}")
     return schema["$defs"]
 
 
@@ -318,7 +309,7 @@ OPENAPI: dict[str, Any] = {
              "description": "LSE's OpenAI-compatible API, with LSE's own fields (stop_reason, lse_context, "
                             "timings, lse_warnings, thinking levels, generation defaults)."},
     "components": {
-        "schemas": _merged(SCHEMAS, REPLY_SCHEMAS, request_schemas()),
+        "schemas": _merged(SCHEMAS, REPLY_SCHEMAS, model_schemas()),
         "responses": {f"Error{status}": json_body(ref("Error"), text) for status, text in ERROR_TEXT.items()},
         "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer",
                                        "description": "only when lse-server runs with --api-key"},
