@@ -193,6 +193,7 @@ def test_message_errors_name_the_path(body, code, param):
     ({"temperature": math.nan}, "invalid_value", "temperature"),
     ({"temperature": math.inf}, "invalid_value", "temperature"),
     ({"temperature": 10**400}, "invalid_value", "temperature"),
+    ({"temperature": 2**1024 - 1}, "invalid_value", "temperature"),   # rounds to no float
     ({"top_k": 1.5}, "invalid_type", "top_k"),
     ({"top_k": -2}, "invalid_value", "top_k"),
     ({"top_k": False}, "invalid_type", "top_k"),

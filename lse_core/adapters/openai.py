@@ -4,8 +4,9 @@ and that /openapi.json describes it with.
 
 Unknown fields are ignored and null means not sent, as OpenAI's API does. The thinking fields are
 declared for the document only (SkipValidation): lse_core.template.thinking checks them, with the spec's
-invalid_thinking code. Rules that are no field's type (at most one output constraint, n over 1, ...) are
-lse_core.protocol's."""
+invalid_thinking code. The rules within one object are validators here (only an assistant turn may leave
+out content; structured_outputs takes one kind); those across a body's fields (at most one output
+constraint, n over 1, top_logprobs without logprobs...) are lse_core.protocol's plain checks."""
 
 from __future__ import annotations
 
@@ -44,8 +45,11 @@ def _valid_unicode(text: str) -> str:
 
 def _infinite_if_huge(value: Any) -> Any:
     """An integer beyond any float as the infinity it rounds to, so it is refused as not finite."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**1024:
-        return math.inf if value > 0 else -math.inf
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            float(value)
+        except OverflowError:
+            return math.inf if value > 0 else -math.inf
     return value
 
 
