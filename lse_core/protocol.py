@@ -32,12 +32,12 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, TypeAdapter, computed_field
+from pydantic import Field, TypeAdapter, computed_field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-from lse_core.adapters.common import checked
+from lse_core.adapters.common import REPLY_PART, Count, checked
 from lse_core.adapters.openai import (
     ChatCompletionRequest,
     ChatMessage,
@@ -50,7 +50,7 @@ from lse_core.adapters.openai import (
     TokenizeText,
 )
 from lse_core.errors import invalid_request
-from lse_core.limits import lse_context
+from lse_core.limits import LSEContext, lse_context
 from lse_core.sampling import GenerationDefaults
 
 # ---- requests ----
@@ -368,8 +368,6 @@ class Choice:
 
 # Usage, Timings and LSEWarning are pydantic dataclasses: /openapi.json takes their schemas from them
 # (their serialized shape, computed fields included), so each reply part is declared once.
-SHAPE = ConfigDict(json_schema_serialization_defaults_required=True)   # every field is in the JSON
-Count = Annotated[int, Field(ge=0)]
 
 
 @pydantic_dataclass(frozen=True)
@@ -382,7 +380,7 @@ class CompletionTokensDetails:
     reasoning_tokens: Count
 
 
-@pydantic_dataclass(config=SHAPE)
+@pydantic_dataclass(config=REPLY_PART)
 class Usage:
     prompt_tokens: Count       # the whole prompt, cached tokens included
     completion_tokens: Count
@@ -408,7 +406,7 @@ class Usage:
         return _USAGE.dump_python(self)
 
 
-@pydantic_dataclass(config=SHAPE)
+@pydantic_dataclass(config=REPLY_PART)
 class Timings:
     prompt_n: Count            # prompt tokens computed (cached ones are not)
     prompt_ms: float
@@ -443,7 +441,7 @@ class LSEWarning:
 
 
 _USAGE, _TIMINGS, _WARNING = TypeAdapter(Usage), TypeAdapter(Timings), TypeAdapter(LSEWarning)
-REPLY_PARTS = (Usage, Timings, LSEWarning)   # the reply shapes declared here, for /openapi.json
+REPLY_PARTS = (Usage, Timings, LSEWarning, LSEContext)   # the reply shapes declared as dataclasses, for /openapi.json
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The OpenAPI 3.1 document served at /openapi.json. Every request body's schema comes from the pydantic
 model that checks it (lse_core.adapters), and so do the reply parts lse_core.protocol declares as pydantic
-dataclasses (usage, timings, lse_warnings entries); the rest of the replies' schemas are written here
+dataclasses (usage, timings, lse_context, lse_warnings entries); the rest of the replies' schemas are written here
 from spec/API.md and lse_core/protocol.py. Its schemas are JSON Schema 2020-12; the server tests validate real responses
 against them, so a change to a reply's shape must change this file too."""
 
@@ -100,8 +100,6 @@ SCHEMAS: dict[str, Any] = {
         "text": STRING, "reasoning_content": STRING}, STOP_REASON)),
     "TextCompletionChunk": chunk_object("text_completion", choice(["text"], {
         "text": STRING, "reasoning_content": STRING}, nullable(STOP_REASON))),
-    "LSEContext": obj(["tokens_used", "context_length", "tokens_remaining"], {
-        "tokens_used": COUNT, "context_length": COUNT, "tokens_remaining": COUNT}),
     "Thinking": obj(["supported", "source", "toggle", "effort", "default_level", "levels"], {
         "supported": BOOLEAN, "source": nullable(STRING), "toggle": nullable({"const": "enable_thinking"}),
         "effort": nullable({"const": "reasoning_effort"}), "default_level": nullable(STRING),

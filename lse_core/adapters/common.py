@@ -34,6 +34,9 @@ TOKEN_ID_MARK = "x-lse-token-id"      # at most the vocabulary's last id
 WIDTH_MARK = "x-lse-hidden-size"      # at most the model's hidden size
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True}), AS_INTEGER]
 Text = Annotated[str, Field(min_length=1)]
+Count = Annotated[int, Field(ge=0)]
+# A reply part declared as a pydantic dataclass: its serialization schema lists every field as present.
+REPLY_PART = ConfigDict(json_schema_serialization_defaults_required=True)
 Item = TypeVar("Item")
 NonEmpty = Annotated[Item, Field(min_length=1)]
 
