@@ -190,7 +190,8 @@ class GenerationBody(Body):
     thinking and structured output. At most one of response_format, structured_outputs, grammar and
     json_schema constrains the reply."""
 
-    model: String | None = Field(None, description="must name a served model when sent")
+    model: String | None = Field(None, description="one of the served models (GET /v1/models), by id; the first "
+                                                   "listed when not sent")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: Positive64 | None = None
