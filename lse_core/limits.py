@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import TypeAdapter, computed_field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
+from lse_core.adapters.common import REPLY_PART, Count
 from lse_core.errors import LSEError, invalid_request
 from lse_core.sampling import GenerationDefaults
 
@@ -25,10 +29,25 @@ class TokenLimit:
     stop_reason: str
 
 
+@pydantic_dataclass(config=REPLY_PART)
+class LSEContext:
+    """The lse_context object of responses, final chunks and context_full errors (spec/API.md)."""
+
+    tokens_used: Count        # prompt tokens, cached ones included, plus reply tokens
+    context_length: Count
+
+    @computed_field
+    @property
+    def tokens_remaining(self) -> int:
+        return max(self.context_length - self.tokens_used, 0)
+
+
+_LSE_CONTEXT = TypeAdapter(LSEContext)
+
+
 def lse_context(tokens_used: int, context_length: int) -> dict[str, int]:
-    """The lse_context object of responses, final chunks and context_full errors."""
-    return {"tokens_used": tokens_used, "context_length": context_length,
-            "tokens_remaining": max(context_length - tokens_used, 0)}
+    """The lse_context object as JSON."""
+    return _LSE_CONTEXT.dump_python(LSEContext(tokens_used, context_length))
 
 
 def check_prompt(prompt_tokens: int, context_length: int, param: str) -> None:

@@ -18,34 +18,40 @@ What the engine side fills in:
 ``Reply(request, model)`` shapes one reply: ``.response(outcome)`` for a whole reply, or
 ``.chunk(...)`` per streamed delta and ``.final_chunks(outcome)`` at the end of a stream.
 
-Parsing follows OpenAI: unknown fields are ignored, null means not sent. Every type or range error
-is a 400 invalid_request_error whose code is missing_field, invalid_type or invalid_value and whose
-param is the field's path ("messages[2].content", "stop[1]"). One choice per request: n > 1 and
-several prompts in one request are refused.
+The bodies are lse_core.adapters.openai's pydantic models, which follow OpenAI: unknown fields are
+ignored, null means not sent. Every type or range error is a 400 invalid_request_error whose code is
+missing_field, invalid_type or invalid_value and whose param is the field's path ("messages[2].content",
+"stop[1]"). The rules across fields are here: one choice per request (n > 1, best_of > 1 and several
+prompts in one request are refused), at most one output constraint, top_logprobs only with logprobs.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
-import math
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from lse_core.adapters.common import integral
-from lse_core.errors import LSEError, invalid_request
-from lse_core.limits import lse_context
+from pydantic import Field, TypeAdapter, computed_field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
+from lse_core.adapters.common import REPLY_PART, Count, checked
+from lse_core.adapters.openai import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerationBody,
+    ResponseFormat,
+    StructuredOutputs,
+    TokenizeBody,
+    TokenizeText,
+)
+from lse_core.errors import invalid_request
+from lse_core.limits import LSEContext, lse_context
 from lse_core.sampling import GenerationDefaults
-
-ROLES = ("system", "user", "assistant", "tool", "developer")
-MAX_STOP_STRINGS = 4
-MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}
-INT64_MAX = 2**63 - 1   # integer fields hold 64-bit values, as OpenAI's do
-TOOL_CHOICES = ("none", "auto", "required")
-
 
 # ---- requests ----
 
@@ -98,259 +104,102 @@ class OutputConstraint:
     strict: bool = False
 
 
-# The fields that ask for structured output, one per request: OpenAI's, vLLM's and llama.cpp's.
-CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "grammar", "json_schema")
-STRUCTURED_OUTPUT_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark",
-                          "json_object": "json_object"}
+JSON_OBJECT = {"type": "object"}
+# vLLM's structured_outputs fields and the constraint kind each asks for
+STRUCTURED_OUTPUT_KINDS = {"json_": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
 
 
 def parse_chat(body: object) -> GenerationRequest:
     """A /v1/chat/completions body, checked; raises LSEError (400) naming the offending field."""
-    body = _object_body(body)
-    request = _parse_common(body, "chat")
-    request.messages = _messages(body.get("messages"))
-    logprobs = _optional(body, "logprobs", _boolean) or False
-    top_logprobs = _optional(body, "top_logprobs", _integer, 0, MAX_TOP_LOGPROBS["chat"]) or 0
-    if top_logprobs and not logprobs:
-        raise invalid_request("top_logprobs needs logprobs: true", "invalid_value", "top_logprobs")
-    request.logprobs, request.top_logprobs = logprobs, top_logprobs
-    request.tools = _optional(body, "tools", _tools)
-    request.tool_choice = _optional(body, "tool_choice", _tool_choice)
-    request.parallel_tool_calls = _optional(body, "parallel_tool_calls", _boolean) is not False
-    request.chat_template_kwargs = _optional(body, "chat_template_kwargs", _object)
-    return request
+    return chat_request(checked(ChatCompletionRequest, body), body)
 
 
 def parse_completion(body: object) -> GenerationRequest:
     """A /v1/completions body, checked; raises LSEError (400) naming the offending field."""
-    body = _object_body(body)
-    request = _parse_common(body, "completion")
-    request.prompt = _prompt(body.get("prompt"))
-    top_logprobs = _optional(body, "logprobs", _integer, 0, MAX_TOP_LOGPROBS["completion"])
-    request.logprobs, request.top_logprobs = top_logprobs is not None, top_logprobs or 0
-    request.echo = _optional(body, "echo", _boolean) or False
+    return completion_request(checked(CompletionRequest, body), body)
+
+
+def chat_request(checked_body: ChatCompletionRequest, body: Any) -> GenerationRequest:
+    request = _generation_request(checked_body, body, "chat")
+    if checked_body.top_logprobs and not checked_body.logprobs:
+        raise invalid_request("top_logprobs needs logprobs: true", "invalid_value", "top_logprobs")
+    # the template gets tools, tool_choice and earlier calls as the client sent them, checked
+    request.messages = [_message(m, sent) for m, sent in zip(checked_body.messages, body["messages"], strict=True)]
+    request.logprobs, request.top_logprobs = bool(checked_body.logprobs), checked_body.top_logprobs or 0
+    request.tools = None if checked_body.tools is None else body["tools"]
+    request.tool_choice = None if checked_body.tool_choice is None else body["tool_choice"]
+    request.parallel_tool_calls = checked_body.parallel_tool_calls is not False
+    request.chat_template_kwargs = checked_body.chat_template_kwargs
     return request
 
 
-@dataclass
-class TokenizeRequest:
-    """A /tokenize body: a chat body (messages) or a completion body (prompt), whose prompt is
-    tokenized as that request would be, or llama.cpp's plain ``content``."""
-
-    request: GenerationRequest | None     # None for content
-    content: str
-    add_special: bool | None              # None: as the request would (a completion's prompt only)
-    add_generation_prompt: bool
-    with_pieces: bool                     # each token with its text, as llama.cpp gives it
-
-
-def parse_tokenize(body: object) -> TokenizeRequest:
-    """A /tokenize body, checked; add_special is llama.cpp's name, add_special_tokens vLLM's."""
-    body = _object_body(body)
-    request, content = None, ""
-    if body.get("messages") is not None:
-        request = parse_chat(body)
-    elif body.get("prompt") is not None:
-        request = parse_completion(body)
-    else:
-        content = body.get("content")
-        if not isinstance(content, str):
-            raise invalid_request("send content (text), prompt (a completion's) or messages (a chat's)",
-                                  "missing_field" if content is None else "invalid_type", "content")
-    add_special = _optional(body, "add_special", _boolean)
-    if add_special is None:
-        add_special = _optional(body, "add_special_tokens", _boolean)
-    add_generation_prompt = _optional(body, "add_generation_prompt", _boolean)
-    return TokenizeRequest(request, content, add_special, add_generation_prompt is not False,
-                           _optional(body, "with_pieces", _boolean) or False)
+def completion_request(checked_body: CompletionRequest, body: Any) -> GenerationRequest:
+    request = _generation_request(checked_body, body, "completion")
+    if checked_body.suffix:
+        raise invalid_request("suffix is not supported: LSE completes after the prompt only", "invalid_value",
+                              "suffix")
+    _one_choice(checked_body.best_of, "best_of")
+    prompt = checked_body.prompt
+    if isinstance(prompt, list) and isinstance(prompt[0], str | list):   # a batch: one prompt only
+        if len(prompt) > 1:
+            raise invalid_request("several prompts in one request are not supported; send one per request",
+                                  "invalid_value", "prompt")
+        prompt = prompt[0]
+    request.prompt = prompt
+    request.logprobs, request.top_logprobs = checked_body.logprobs is not None, checked_body.logprobs or 0
+    request.echo = bool(checked_body.echo)
+    return request
 
 
-def _object_body(body: object) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise invalid_request(f"the request body must be a JSON object, got {_json_type(body)}",
-                              "invalid_type", None)
-    return body
-
-
-def _parse_common(body: dict[str, Any], endpoint: str) -> GenerationRequest:
-    n = _optional(body, "n", _integer, 1)
-    if n is not None and n > 1:
-        raise invalid_request("n must be 1: LSE returns one choice per request; send n requests instead",
-                              "invalid_value", "n")
-    _refuse_unsupported(body, endpoint)
-    stream_options = _optional(body, "stream_options", _object) or {}
-    max_tokens = _optional(body, "max_tokens", _integer, 1)
-    max_completion_tokens = _optional(body, "max_completion_tokens", _integer, 1)
+def _generation_request(checked_body: GenerationBody, body: dict[str, Any], endpoint: str) -> GenerationRequest:
+    _one_choice(checked_body.n, "n")
+    if checked_body.logit_bias:
+        raise invalid_request("logit_bias is not supported", "invalid_value", "logit_bias")
+    max_tokens = checked_body.max_tokens
+    stop = checked_body.stop
     return GenerationRequest(
         endpoint=endpoint,
         body=body,
-        model=_optional(body, "model", _string),
-        stream=_optional(body, "stream", _boolean) or False,
-        include_usage=_optional(stream_options, "include_usage", _boolean, path="stream_options") or False,
-        stop=_stop(body.get("stop")),
-        max_tokens=max_completion_tokens if max_tokens is None else max_tokens,
-        temperature=_optional(body, "temperature", _number),
-        top_k=_optional(body, "top_k", _integer, -1),
-        top_p=_optional(body, "top_p", _number, 0.0, 1.0),
-        min_p=_optional(body, "min_p", _number, 0.0, 1.0),
-        presence_penalty=_optional(body, "presence_penalty", _number),
-        repetition_penalty=_optional(body, "repetition_penalty", _positive_number),
-        frequency_penalty=_optional(body, "frequency_penalty", _number),
-        seed=_optional(body, "seed", _integer, 0),
-        ignore_eos=_optional(body, "ignore_eos", _boolean) or False,
-        constraint=_output_constraint(body),
+        model=checked_body.model,
+        stream=bool(checked_body.stream),
+        include_usage=bool(checked_body.stream_options and checked_body.stream_options.include_usage),
+        stop=() if stop is None else (stop,) if isinstance(stop, str) else tuple(stop),
+        max_tokens=checked_body.max_completion_tokens if max_tokens is None else max_tokens,
+        temperature=checked_body.temperature,
+        top_k=checked_body.top_k,
+        top_p=checked_body.top_p,
+        min_p=checked_body.min_p,
+        presence_penalty=checked_body.presence_penalty,
+        repetition_penalty=checked_body.repetition_penalty,
+        frequency_penalty=checked_body.frequency_penalty,
+        seed=checked_body.seed,
+        ignore_eos=bool(checked_body.ignore_eos),
+        constraint=_output_constraint(checked_body),
     )
 
 
-def _output_constraint(body: dict[str, Any]) -> OutputConstraint | None:
-    """The reply's constraint: response_format (json_object, json_schema), vLLM's structured_outputs (json,
-    regex, choice, grammar), or llama.cpp's grammar (GBNF) and json_schema; at most one of them."""
-    found = []
-    response_format = _optional(body, "response_format", _object)
-    if response_format is not None:
-        found.append(_response_format(response_format))
-    structured = _optional(body, "structured_outputs", _object)
-    if structured is not None:
-        found.append(_structured_outputs(structured))
-    if body.get("grammar") is not None:
-        found.append(OutputConstraint("gbnf", _grammar_text(body["grammar"], "grammar"), "grammar"))
-    if body.get("json_schema") is not None:
-        found.append(OutputConstraint("json_schema", _schema(body["json_schema"], "json_schema"), "json_schema"))
-    found = [c for c in found if c is not None]
-    if len(found) > 1:
-        raise invalid_request(f"{found[1].param.split('.')[0]} and {found[0].param.split('.')[0]} both constrain the "
-                              "reply; send one", "invalid_value", found[1].param.split(".")[0])
-    return found[0] if found else None
+def _one_choice(count: int | None, param: str) -> None:
+    """OpenAI's n and best_of: LSE answers one choice; ignoring more would answer something else."""
+    if count is not None and count > 1:
+        raise invalid_request(f"{param} must be 1: LSE returns one choice per request; send {param} requests "
+                              "instead", "invalid_value", param)
 
 
-def _response_format(value: dict[str, Any]) -> OutputConstraint | None:
-    kind = _optional(value, "type", _string, path="response_format") or "text"
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return OutputConstraint("json_schema", {"type": "object"}, "response_format")
-    if kind != "json_schema":
-        raise invalid_request(f"response_format.type must be text, json_object or json_schema, got {kind!r:.40}",
-                              "invalid_value", "response_format.type")
-    spec = _required(value, "json_schema", _object, "response_format")
-    _optional(spec, "name", _string, path="response_format.json_schema")
-    strict = _optional(spec, "strict", _boolean, path="response_format.json_schema") or False
-    schema = spec.get("schema")
-    param = "response_format.json_schema.schema"
-    return OutputConstraint("json_schema", {"type": "object"} if schema is None else _schema(schema, param), param,
-                            strict)
+# ---- messages ----
 
-
-def _structured_outputs(value: dict[str, Any]) -> OutputConstraint | None:
-    given = [key for key in STRUCTURED_OUTPUT_KEYS if value.get(key) is not None]
-    if len(given) != 1:
-        raise invalid_request(f"structured_outputs takes exactly one of {', '.join(STRUCTURED_OUTPUT_KEYS)}, got "
-                              f"{', '.join(given) or 'none'}", "invalid_value", "structured_outputs")
-    key = given[0]
-    param = f"structured_outputs.{key}"
-    raw = value[key]
-    match key:
-        case "json":
-            schema = json.loads(raw) if _is_json_text(raw) else raw
-            return OutputConstraint("json_schema", _schema(schema, param), param)
-        case "json_object":
-            return OutputConstraint("json_schema", {"type": "object"}, param) if _boolean(raw, param) else None
-        case "choice":
-            choices = _array(raw, param)
-            if not choices:
-                raise invalid_request(f"{param} must not be empty", "invalid_value", param)
-            return OutputConstraint("choice", [_string(c, f"{param}[{i}]") for i, c in enumerate(choices)], param)
-    return OutputConstraint(STRUCTURED_OUTPUT_KEYS[key], _grammar_text(raw, param), param)
-
-
-def _is_json_text(value: Any) -> bool:
-    """vLLM takes a schema as an object or as its JSON text."""
-    if not isinstance(value, str):
-        return False
-    try:
-        json.loads(value)
-    except ValueError:
-        return False
-    return True
-
-
-def _schema(value: Any, path: str) -> dict[str, Any] | bool:
-    if isinstance(value, bool):   # true: any JSON value; false: none
-        return value
-    return _object(value, path)
-
-
-def _grammar_text(value: Any, path: str) -> str:
-    if not _string(value, path).strip():
-        raise invalid_request(f"{path} must not be empty", "invalid_value", path)
-    return value
-
-
-def _refuse_unsupported(body: dict[str, Any], endpoint: str) -> None:
-    """OpenAI fields LSE does not implement, refused when they would change the reply: ignoring
-    them would hand the client something other than what it asked for."""
-    if _optional(body, "logit_bias", _object):
-        raise invalid_request("logit_bias is not supported", "invalid_value", "logit_bias")
-    if endpoint == "completion":
-        if _optional(body, "suffix", _string):
-            raise invalid_request("suffix is not supported: LSE completes after the prompt only",
-                                  "invalid_value", "suffix")
-        best_of = _optional(body, "best_of", _integer, 1)
-        if best_of is not None and best_of > 1:
-            raise invalid_request("best_of must be 1: LSE returns one choice per request", "invalid_value",
-                                  "best_of")
-
-
-def _messages(value: Any) -> list[dict[str, Any]]:
-    if value is None:
-        raise invalid_request("messages is required", "missing_field", "messages")
-    if not isinstance(value, list):
-        raise _type_error("messages", "an array of messages", value)
-    if not value:
-        raise invalid_request("messages must not be empty", "invalid_value", "messages")
-    return [_message(m, f"messages[{i}]") for i, m in enumerate(value)]
-
-
-def _message(value: Any, path: str) -> dict[str, Any]:
+def _message(message: ChatMessage, sent: dict[str, Any]) -> dict[str, Any]:
     """One message, normalized for templates: content a string; an assistant's tool_calls and
     reasoning_content, a tool message's tool_call_id and any name kept."""
-    value = _object(value, path)
-    role = _required(value, "role", _string, path)
-    if role not in ROLES:
-        raise invalid_request(f"{path}.role must be one of {', '.join(ROLES)}, got {role!r:.40}",
-                              "invalid_value", f"{path}.role")
-    content = value.get("content")
-    if content is None and role != "assistant":   # an assistant turn may hold only tool calls
-        raise invalid_request(f"{path}.content is required", "missing_field", f"{path}.content")
-    message: dict[str, Any] = {"role": role, "content": "" if content is None else _content(content, path)}
-    kept = {"name": _string}
-    if role == "assistant":
-        kept |= {"tool_calls": _tool_calls, "reasoning_content": _string}
-    if role == "tool":
-        kept |= {"tool_call_id": _string}
-    for name, check in kept.items():
-        if value.get(name) is not None:
-            message[name] = check(value[name], f"{path}.{name}")
-    return message
-
-
-def _content(value: Any, message_path: str) -> str:
-    """A string, or text parts joined with newlines (as vLLM joins them for string templates)."""
-    path = f"{message_path}.content"
-    if isinstance(value, str):
-        return _string(value, path)
-    if not isinstance(value, list):
-        raise _type_error(path, "a string or an array of text parts", value)
-    texts = []
-    for j, part in enumerate(value):
-        part_path = f"{path}[{j}]"
-        part = _object(part, part_path)
-        kind = _required(part, "type", _string, part_path)
-        if kind != "text":
-            raise invalid_request(f"{part_path}.type {kind!r:.40} is not supported; only text parts are",
-                                  "invalid_value", f"{part_path}.type")
-        texts.append(_required(part, "text", _string, part_path))
-    return "\n".join(texts)
+    content = message.content
+    text = content if isinstance(content, str) else "\n".join(part.text for part in content or [])
+    normalized: dict[str, Any] = {"role": message.role, "content": text}
+    kept = {"name": message.name}
+    if message.role == "assistant":
+        kept |= {"tool_calls": message.tool_calls and [_call(call) for call in sent["tool_calls"]],
+                 "reasoning_content": message.reasoning_content}
+    if message.role == "tool":
+        kept["tool_call_id"] = message.tool_call_id
+    return normalized | {name: value for name, value in kept.items() if value is not None}
 
 
 class CallArguments(dict):
@@ -372,192 +221,96 @@ class CallArguments(dict):
         return other + self.text if isinstance(other, str) else NotImplemented
 
 
-def _tool_calls(value: Any, path: str) -> list[dict[str, Any]]:
-    """An assistant's earlier calls, with JSON-object arguments as CallArguments."""
-    calls = []
-    for i, call in enumerate(_array(value, path)):
-        function = _required(_object(call, f"{path}[{i}]"), "function", _object, f"{path}[{i}]")
-        _required(function, "name", _string, f"{path}[{i}].function")
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                parsed = json.loads(arguments)
-            except ValueError:
-                parsed = None
-            if isinstance(parsed, dict):
-                call = call | {"function": function | {"arguments": CallArguments(arguments, parsed)}}
-        calls.append(call)
-    return calls
+def _call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's earlier call as sent, with JSON-object arguments as CallArguments."""
+    function = call["function"]
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            return call | {"function": function | {"arguments": CallArguments(arguments, parsed)}}
+    return call
 
 
-def _tools(value: Any, path: str) -> list[dict[str, Any]]:
-    tools = _array(value, path)
-    for i, tool in enumerate(tools):
-        tool_path = f"{path}[{i}]"
-        if _required(_object(tool, tool_path), "type", _string, tool_path) != "function":
-            raise invalid_request(f"{tool_path}.type must be function", "invalid_value", f"{tool_path}.type")
-        function = _required(tool, "function", _object, tool_path)
-        _required(function, "name", _string, f"{tool_path}.function")
-        _optional(function, "parameters", _object, path=f"{tool_path}.function")
-    return tools
+# ---- structured output ----
+
+def _output_constraint(checked_body: GenerationBody) -> OutputConstraint | None:
+    """The reply's constraint: response_format (json_object, json_schema), vLLM's structured_outputs (json,
+    regex, choice, grammar), or llama.cpp's grammar (GBNF) and json_schema; at most one of them."""
+    found = [c for c in (
+        _response_format(checked_body.response_format),
+        _structured_outputs(checked_body.structured_outputs),
+        None if checked_body.grammar is None else OutputConstraint("gbnf", checked_body.grammar, "grammar"),
+        None if checked_body.json_schema is None else OutputConstraint("json_schema", checked_body.json_schema,
+                                                                        "json_schema"),
+    ) if c is not None]
+    if len(found) > 1:
+        first, second = (c.param.split(".")[0] for c in found[:2])
+        raise invalid_request(f"{second} and {first} both constrain the reply; send one", "invalid_value", second)
+    return found[0] if found else None
 
 
-def _tool_choice(value: Any, path: str) -> str | dict[str, Any]:
-    if isinstance(value, str):
-        if _string(value, path) not in TOOL_CHOICES:
-            raise invalid_request(f"{path} must be one of {', '.join(TOOL_CHOICES)} or a function, "
-                                  f"got {value!r:.40}", "invalid_value", path)
-        return value
-    choice = _object(value, path)
-    if _optional(choice, "type", _string, path=path) not in (None, "function"):
-        raise invalid_request(f"{path}.type must be function", "invalid_value", f"{path}.type")
-    _required(_required(choice, "function", _object, path), "name", _string, f"{path}.function")
-    return choice
+def _response_format(value: ResponseFormat | None) -> OutputConstraint | None:
+    if value is None or value.type == "text":
+        return None
+    if value.type == "json_object":
+        return OutputConstraint("json_schema", JSON_OBJECT, "response_format")
+    spec = value.json_schema
+    return OutputConstraint("json_schema", JSON_OBJECT if spec.schema_ is None else spec.schema_,
+                            "response_format.json_schema.schema", bool(spec.strict))
 
 
-def _stop(value: Any) -> tuple[str, ...]:
+def _structured_outputs(value: StructuredOutputs | None) -> OutputConstraint | None:
     if value is None:
-        return ()
-    if isinstance(value, str):
-        return (_stop_string(_string(value, "stop"), "stop"),)
-    if not isinstance(value, list):
-        raise _type_error("stop", "a string or an array of strings", value)
-    if len(value) > MAX_STOP_STRINGS:
-        raise invalid_request(f"stop holds at most {MAX_STOP_STRINGS} strings, got {len(value)}",
-                              "invalid_value", "stop")
-    return tuple(_stop_string(_string(s, f"stop[{i}]"), f"stop[{i}]") for i, s in enumerate(value))
+        return None
+    if value.json_object is not None:
+        return OutputConstraint("json_schema", JSON_OBJECT, "structured_outputs.json_object") \
+            if value.json_object else None
+    name, kind = next((name, kind) for name, kind in STRUCTURED_OUTPUT_KINDS.items()
+                      if getattr(value, name) is not None)
+    return OutputConstraint(kind, getattr(value, name), f"structured_outputs.{name.rstrip('_')}")
 
 
-def _stop_string(value: str, path: str) -> str:
-    if not value:
-        raise invalid_request(f"{path} must not be empty", "invalid_value", path)
-    return value
+# ---- the tokenizer endpoints ----
+
+@dataclass
+class TokenizeRequest:
+    """A /tokenize body: a chat body (messages) or a completion body (prompt), whose prompt is
+    tokenized as that request would be, or llama.cpp's plain ``content``."""
+
+    request: GenerationRequest | None     # None for content
+    content: str
+    add_special: bool | None              # None: as the request would (a completion's prompt only)
+    add_generation_prompt: bool
+    with_pieces: bool                     # each token with its text, as llama.cpp gives it
 
 
-def _prompt(value: Any) -> str | list[int]:
-    """A string or a list of token ids; a one-element batch ([text] or [[ids]]) is that prompt."""
-    if value is None:
-        raise invalid_request("prompt is required", "missing_field", "prompt")
-    path = "prompt"
-    if isinstance(value, list) and value and isinstance(value[0], str | list):
-        if len(value) > 1:
-            raise invalid_request("several prompts in one request are not supported; send one per request",
-                                  "invalid_value", "prompt")
-        value, path = value[0], "prompt[0]"
-    if isinstance(value, str):
-        if not _string(value, path):
-            raise invalid_request(f"{path} must not be empty", "invalid_value", path)
-        return value
-    if not isinstance(value, list):
-        raise _type_error(path, "a string or an array of token ids", value)
-    if not value:
-        raise invalid_request(f"{path} must not be empty", "invalid_value", path)
-    return [_integer(t, f"{path}[{i}]", 0) for i, t in enumerate(value)]
+def parse_tokenize(body: object) -> TokenizeRequest:
+    """A /tokenize body, checked; add_special is llama.cpp's name, add_special_tokens vLLM's."""
+    tokenize = checked(TokenizeBody, body).root
+    request, content = None, ""
+    if isinstance(tokenize, TokenizeText):
+        content = tokenize.content
+    elif isinstance(tokenize, ChatCompletionRequest):
+        request = chat_request(tokenize, body)
+    else:
+        request = completion_request(tokenize, body)
+    add_special = tokenize.add_special_tokens if tokenize.add_special is None else tokenize.add_special
+    return TokenizeRequest(request, content, add_special, tokenize.add_generation_prompt is not False,
+                           bool(tokenize.with_pieces))
 
 
-# ---- field checks: each takes the value and its path, returns the value or raises ----
-
-def _optional(body: dict[str, Any], name: str, check: Callable[..., Any], *bounds: Any,
-              path: str | None = None) -> Any:
-    """The checked field, or None when it is absent or null."""
-    value = body.get(name)
-    return None if value is None else check(value, f"{path}.{name}" if path else name, *bounds)
-
-
-def _required(body: dict[str, Any], name: str, check: Callable[..., Any], path: str) -> Any:
-    value = body.get(name)
-    if value is None:
-        raise invalid_request(f"{path}.{name} is required", "missing_field", f"{path}.{name}")
-    return check(value, f"{path}.{name}")
-
-
-def _string(value: Any, path: str) -> str:
-    if not isinstance(value, str):
-        raise _type_error(path, "a string", value)
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:   # JSON's "\ud800" escapes decode to lone surrogates no tokenizer takes
-        raise invalid_request(f"{path} is not valid Unicode: it holds a lone surrogate",
-                              "invalid_value", path) from None
-    return value
-
-
-def _boolean(value: Any, path: str) -> bool:
-    if not isinstance(value, bool):
-        raise _type_error(path, "a boolean", value)
-    return value
-
-
-def _object(value: Any, path: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _type_error(path, "an object", value)
-    return value
-
-
-def _array(value: Any, path: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise _type_error(path, "an array", value)
-    return value
-
-
-def _integer(value: Any, path: str, minimum: int = -INT64_MAX - 1, maximum: int = INT64_MAX) -> int:
-    value = integral(value)   # JSON has one number type: 2.0 is the integer 2
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _type_error(path, "an integer", value)
-    if not minimum <= value <= maximum:
-        raise invalid_request(f"{path} must be {_range_text(minimum, maximum, INT64_MAX)}, got "
-                              f"{value if abs(value) <= INT64_MAX + 1 else 'an integer beyond 64 bits'}",
-                              "invalid_value", path)
-    return value
-
-
-def _number(value: Any, path: str, minimum: float = -math.inf, maximum: float = math.inf) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _type_error(path, "a number", value)
-    try:
-        number = float(value)
-    except OverflowError:   # an integer beyond any float
-        number = math.inf
-    if not math.isfinite(number):
-        raise invalid_request(f"{path} must be a finite number", "invalid_value", path)
-    if not minimum <= number <= maximum:
-        raise invalid_request(f"{path} must be {_range_text(minimum, maximum, math.inf)}, got {number:g}",
-                              "invalid_value", path)
-    return number
-
-
-def _positive_number(value: Any, path: str) -> float:
-    number = _number(value, path)
-    if number <= 0:
-        raise invalid_request(f"{path} must be greater than 0, got {number:g}", "invalid_value", path)
-    return number
-
-
-def _range_text(minimum: float, maximum: float, unbounded: float) -> str:
-    if maximum == unbounded:
-        return f"at least {minimum}"
-    return f"between {minimum} and {maximum}"
-
-
-def _type_error(path: str, expected: str, value: Any) -> LSEError:
-    return invalid_request(f"{path} must be {expected}, got {_json_type(value)}", "invalid_type", path)
-
-
-def _json_type(value: Any) -> str:
-    match value:
-        case None:
-            return "null"
-        case bool():
-            return "a boolean"
-        case int() | float():
-            return "a number"
-        case str():
-            return "a string"
-        case list():
-            return "an array"
-        case dict():
-            return "an object"
-    return type(value).__name__
+def parse_detokenize(body: object, vocab_size: int) -> list[int]:
+    """A /detokenize body's token ids, each in the vocabulary."""
+    tokens = checked(DetokenizeRequest, body).tokens
+    bad = next((i for i, token in enumerate(tokens) if token >= vocab_size), None)
+    if bad is not None:
+        raise invalid_request(f"tokens[{bad}] must be a token id from 0 to {vocab_size - 1}", "invalid_value",
+                              f"tokens[{bad}]")
+    return tokens
 
 
 # ---- what the engine hands back ----
@@ -613,46 +366,82 @@ class Choice:
     logprobs: list[TokenLogprob] | None = None
 
 
-@dataclass
+# Usage, Timings and LSEWarning are pydantic dataclasses: /openapi.json takes their schemas from them
+# (their serialized shape, computed fields included), so each reply part is declared once.
+
+
+@pydantic_dataclass(frozen=True)
+class PromptTokensDetails:
+    cached_tokens: Count
+
+
+@pydantic_dataclass(frozen=True)
+class CompletionTokensDetails:
+    reasoning_tokens: Count
+
+
+@pydantic_dataclass(config=REPLY_PART)
 class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-    reasoning_tokens: int = 0     # of the completion tokens, those written inside the reasoning block
+    prompt_tokens: Count       # the whole prompt, cached tokens included
+    completion_tokens: Count
+    cached_tokens: Count = Field(0, exclude=True)
+    reasoning_tokens: Count = Field(0, exclude=True)
+
+    @computed_field
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @computed_field
+    @property
+    def prompt_tokens_details(self) -> PromptTokensDetails:
+        return PromptTokensDetails(self.cached_tokens)
+
+    @computed_field(description="of the completion tokens, those written inside the reasoning block")
+    @property
+    def completion_tokens_details(self) -> CompletionTokensDetails:
+        return CompletionTokensDetails(self.reasoning_tokens)
 
     def to_json(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-                "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens}}
+        return _USAGE.dump_python(self)
 
 
-@dataclass
+@pydantic_dataclass(config=REPLY_PART)
 class Timings:
-    prompt_n: int
+    prompt_n: Count            # prompt tokens computed (cached ones are not)
     prompt_ms: float
-    predicted_n: int
+    predicted_n: Count
     predicted_ms: float
 
+    @computed_field
+    @property
+    def prompt_per_second(self) -> float:
+        return _per_second(self.prompt_n, self.prompt_ms)
+
+    @computed_field
+    @property
+    def predicted_per_second(self) -> float:
+        return _per_second(self.predicted_n, self.predicted_ms)
+
     def to_json(self) -> dict[str, Any]:
-        return {"prompt_n": self.prompt_n, "prompt_ms": self.prompt_ms,
-                "prompt_per_second": _per_second(self.prompt_n, self.prompt_ms),
-                "predicted_n": self.predicted_n, "predicted_ms": self.predicted_ms,
-                "predicted_per_second": _per_second(self.predicted_n, self.predicted_ms)}
+        return _TIMINGS.dump_python(self)
 
 
-@dataclass
+@pydantic_dataclass
 class LSEWarning:
-    """One lse_warnings entry: a CPU fallback cause and how often this request ran it, or (count None)
-    another warning about the reply, such as structured output cut short."""
+    """One lse_warnings entry: a CPU fallback cause and how often this request ran it, or (count None,
+    left out of the JSON) another warning about the reply, such as structured output cut short."""
 
     cause: str
-    count: int | None
-    type: str = "cpu_fallback"
+    count: Count | None = Field(None, description="a cpu_fallback's runs in this request")
+    type: Literal["cpu_fallback", "structured_output_incomplete"] = "cpu_fallback"
 
     def to_json(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"type": self.type, "cause": self.cause}
-        return body if self.count is None else body | {"count": self.count}
+        return _WARNING.dump_python(self, exclude_none=True)
+
+
+_USAGE, _TIMINGS, _WARNING = TypeAdapter(Usage), TypeAdapter(Timings), TypeAdapter(LSEWarning)
+REPLY_PARTS = (Usage, Timings, LSEWarning, LSEContext)   # the reply shapes declared as dataclasses, for /openapi.json
 
 
 @dataclass

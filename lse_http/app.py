@@ -38,9 +38,9 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lse_core import api
-from lse_core.adapters.common import integral
 from lse_core.errors import LSEError, invalid_request, server_error
 from lse_core.model_set import Lease, ModelSet, requested_model
+from lse_core.protocol import parse_detokenize
 from lse_http.browser import HostCheckMiddleware
 from lse_http.metrics import prometheus_text
 from lse_http.openapi import OPENAPI, served_document
@@ -413,24 +413,11 @@ async def tokenize(request: Request) -> Response:
 
 async def detokenize(request: Request) -> Response:
     """{"tokens": [int...]} -> {"content": str}."""
-    body = _object(await _read_json(request))
+    body = await _read_json(request)
     with await _lease(request, body) as lse:
-        return _json(await _detokenize(lse, body))
-
-
-async def _detokenize(lse: api.LSE, body: dict[str, Any]) -> dict[str, str]:
-    tokenizer = lse.model.tokenizer
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list):
-        raise invalid_request("tokens must be an array of token ids",
-                              "missing_field" if tokens is None else "invalid_type", "tokens")
-    tokens = [integral(token) for token in tokens]
-    for i, token in enumerate(tokens):
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < tokenizer.vocab_size:
-            code = "invalid_value" if isinstance(token, int) and not isinstance(token, bool) else "invalid_type"
-            raise invalid_request(f"tokens[{i}] must be a token id from 0 to {tokenizer.vocab_size - 1}",
-                                  code, f"tokens[{i}]")
-    return {"content": await run_in_threadpool(tokenizer.decode, tokens)}
+        tokenizer = lse.model.tokenizer
+        tokens = parse_detokenize(body, tokenizer.vocab_size)
+        return _json({"content": await run_in_threadpool(tokenizer.decode, tokens)})
 
 
 # ---- bodies, errors, auth ----

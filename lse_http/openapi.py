@@ -1,7 +1,8 @@
-"""The OpenAPI 3.1 document served at /openapi.json, written by hand from spec/API.md and
-lse_core/protocol.py; the request bodies of /v1/responses, /v1/messages and /v1/embeddings come from
-the pydantic models that check them. Its schemas are JSON Schema 2020-12; the server tests validate real
-responses against them, so a change to a shape must change this file too."""
+"""The OpenAPI 3.1 document served at /openapi.json. Every request body's schema comes from the pydantic
+model that checks it (lse_core.adapters), and so do the reply parts lse_core.protocol declares as pydantic
+dataclasses (usage, timings, lse_context, lse_warnings entries); the rest of the replies' schemas are written here
+from spec/API.md and lse_core/protocol.py. Its schemas are JSON Schema 2020-12; the server tests validate real responses
+against them, so a change to a reply's shape must change this file too."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from pydantic.json_schema import models_json_schema
 
 from lse_core.adapters.anthropic import CountTokensRequest, MessagesRequest
 from lse_core.adapters.common import TOKEN_ID_MARK, WIDTH_MARK
+from lse_core.adapters.openai import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeBody
 from lse_core.adapters.responses import ResponsesRequest
 from lse_core.embeddings import EmbeddingsRequest
+from lse_core.protocol import REPLY_PARTS
 
 
 def ref(name: str) -> dict[str, str]:
@@ -26,12 +29,6 @@ def obj(required: list[str], properties: dict[str, Any], **more: Any) -> dict[st
 
 def nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, {"type": "null"}]}
-
-
-def exactly_one_of(fields: dict[str, Any], **more: Any) -> dict[str, Any]:
-    """An object with exactly one of ``fields`` not null."""
-    return {"oneOf": [obj([name], {other: schema if other == name else nullable(schema)
-                                   for other, schema in fields.items()}) for name in fields], **more}
 
 
 def sse(event: dict[str, Any], done: bool = False) -> dict[str, Any]:
@@ -48,81 +45,10 @@ def json_body(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 STRING, INTEGER, NUMBER, BOOLEAN = ({"type": t} for t in ("string", "integer", "number", "boolean"))
 COUNT = {"type": "integer", "minimum": 0}
-TOKEN_ID = {"type": "integer", "minimum": 0, TOKEN_ID_MARK: True}   # bounded by served_document
-TOKEN_IDS = {"type": "array", "minItems": 1, "items": TOKEN_ID}
 STOP_REASON = {"enum": ["stop_token", "stop_sequence", "max_tokens", "context_full", "cancelled"]}
 FINISH_REASON = {"enum": ["stop", "length", "tool_calls", None]}
 ERROR_STATUSES = (400, 401, 403, 404, 413, 415, 500, 503)
 ERRORS = {str(status): {"$ref": f"#/components/responses/Error{status}"} for status in ERROR_STATUSES}
-
-SAMPLING_FIELDS = {   # each may be null: null means not sent (spec/API.md)
-    "model": {"type": "string", "description": "one of the served models (GET /v1/models), by id; the first "
-                                               "listed when not sent"},
-    "stream": nullable(BOOLEAN),
-    "stream_options": nullable(obj([], {"include_usage": nullable(BOOLEAN)})),
-    "max_tokens": nullable({"type": "integer", "minimum": 1}),
-    "max_completion_tokens": nullable({"type": "integer", "minimum": 1}),
-    "stop": nullable({"anyOf": [{"type": "string", "minLength": 1},
-                                {"type": "array", "maxItems": 4, "items": {"type": "string", "minLength": 1}}]}),
-    "n": nullable({"const": 1}),
-    "temperature": nullable(NUMBER),
-    "top_k": nullable({"type": "integer", "minimum": -1}),
-    "top_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
-    "min_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
-    "presence_penalty": nullable(NUMBER),
-    "repetition_penalty": nullable({"type": "number", "exclusiveMinimum": 0}),
-    "frequency_penalty": nullable(NUMBER),
-    "seed": nullable({"type": "integer", "minimum": 0}),
-    "ignore_eos": nullable({"type": "boolean", "description": "end-of-turn tokens do not end the reply"}),
-    "reasoning_effort": nullable(STRING),
-    "thinking_level": nullable(STRING),
-    "reasoning": nullable(obj([], {"effort": nullable(STRING)})),
-    "enable_thinking": nullable(BOOLEAN),
-    "thinking": nullable({"anyOf": [BOOLEAN, obj(["type"], {"type": {"enum": ["enabled", "disabled"]}})]}),
-    "chat_template_kwargs": nullable(obj([], {"enable_thinking": nullable(BOOLEAN),
-                                              "reasoning_effort": nullable(STRING)})),
-    "thinking_budget": nullable({"type": "integer", "minimum": 1,
-                                 "description": "reply tokens of reasoning before LSE closes the block"}),
-    # structured output: at most one of these four
-    "response_format": nullable({"anyOf": [   # json_schema is read only when the type is json_schema
-        obj([], {"type": nullable({"enum": ["text", "json_object"]})}),
-        obj(["type", "json_schema"], {"type": {"const": "json_schema"}, "json_schema": obj([], {
-            "name": nullable(STRING), "schema": nullable({"type": ["object", "boolean"]}),
-            "strict": nullable(BOOLEAN)})})]}),
-    "structured_outputs": nullable(exactly_one_of({
-        "json": {"type": ["object", "boolean", "string"]}, "regex": STRING,
-        "choice": {"type": "array", "minItems": 1, "items": STRING}, "grammar": STRING, "json_object": BOOLEAN},
-        description="vLLM's: exactly one of json, regex, choice, grammar (Lark), json_object")),
-    "grammar": nullable({"type": "string", "minLength": 1, "description": "llama.cpp's GBNF (or Lark)"}),
-    "json_schema": nullable({"type": ["object", "boolean"], "description": "llama.cpp's: the reply's JSON Schema"}),
-}
-SAMPLING_FIELDS = {name: schema if "anyOf" in schema and {"type": "null"} in schema["anyOf"] else nullable(schema)
-                   for name, schema in SAMPLING_FIELDS.items()}
-
-TOOL = obj(["type", "function"], {"type": {"const": "function"}, "function": obj(["name"], {
-    "name": STRING, "parameters": nullable({"type": "object"})})})
-TOOL_CHOICE = {"anyOf": [{"enum": ["none", "auto", "required"]},
-                          obj(["function"], {"type": nullable({"const": "function"}),
-                                             "function": obj(["name"], {"name": STRING})})]}
-# what makes each constraint field constrain the reply; at most one may (response_format text does not)
-ACTIVE_CONSTRAINT = {
-    "response_format": obj(["type"], {"type": {"enum": ["json_object", "json_schema"]}}),
-    "structured_outputs": {"type": "object", "not": obj(["json_object"], {"json_object": {"const": False}})},
-    "grammar": STRING, "json_schema": {"type": ["object", "boolean"]},
-}
-AT_MOST_ONE_CONSTRAINT = {"allOf": [
-    {"not": obj([a, b], {a: ACTIVE_CONSTRAINT[a], b: ACTIVE_CONSTRAINT[b]})}
-    for i, a in enumerate(ACTIVE_CONSTRAINT) for b in list(ACTIVE_CONSTRAINT)[i + 1:]]}
-MESSAGE_CONTENT = {"anyOf": [STRING, {"type": "array", "items": obj(["type", "text"], {
-    "type": {"const": "text"}, "text": STRING})}]}
-TOOL_CALLS = {"type": "array", "items": obj(["function"], {"function": obj(["name"], {"name": STRING})})}
-NAME = {"name": nullable(STRING)}
-MESSAGE = {"anyOf": [   # each role's fields (others are ignored); content may be null only on an assistant turn
-    obj(["role", "content"], {"role": {"enum": ["system", "user", "developer"]}, "content": MESSAGE_CONTENT, **NAME}),
-    obj(["role", "content"], {"role": {"const": "tool"}, "content": MESSAGE_CONTENT, **NAME,
-                              "tool_call_id": nullable(STRING)}),
-    obj(["role"], {"role": {"const": "assistant"}, "content": nullable(MESSAGE_CONTENT), **NAME,
-                   "tool_calls": nullable(TOOL_CALLS), "reasoning_content": nullable(STRING)})]}
 
 CLOSING = {   # what a whole response and a stream's final chunk carry
     "lse_context": ref("LSEContext"),
@@ -188,20 +114,6 @@ SCHEMAS: dict[str, Any] = {
         "lse_context": ref("LSEContext"),
         "models": {"type": "array", "items": STRING, "description": "model_not_found: the served model ids"},
     })}),
-    "ChatCompletionRequest": obj(["messages"], {"messages": {"type": "array", "minItems": 1, "items": MESSAGE},
-                                                "logprobs": nullable(BOOLEAN),
-                                                "top_logprobs": nullable({"type": "integer", "minimum": 0,
-                                                                          "maximum": 20}),
-                                                "tools": nullable({"type": "array", "items": TOOL}),
-                                                "tool_choice": nullable(TOOL_CHOICE),
-                                                "parallel_tool_calls": nullable(BOOLEAN),
-                                                **SAMPLING_FIELDS}, **AT_MOST_ONE_CONSTRAINT),
-    "CompletionRequest": obj(["prompt"], {
-        "prompt": {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS,
-                             {"type": "array", "minItems": 1, "maxItems": 1,
-                              "items": {"anyOf": [{"type": "string", "minLength": 1}, TOKEN_IDS]}}]},
-        "logprobs": nullable({"type": "integer", "minimum": 0, "maximum": 5}),
-        "echo": nullable(BOOLEAN), **SAMPLING_FIELDS}, **AT_MOST_ONE_CONSTRAINT),
     "ChatCompletion": completion_object("chat.completion", choice(["message"], {"message": CHAT_MESSAGE},
                                                                   STOP_REASON)),
     "ChatCompletionChunk": chunk_object("chat.completion.chunk", choice(["delta"], {"delta": CHAT_DELTA},
@@ -210,21 +122,6 @@ SCHEMAS: dict[str, Any] = {
         "text": STRING, "reasoning_content": STRING}, STOP_REASON)),
     "TextCompletionChunk": chunk_object("text_completion", choice(["text"], {
         "text": STRING, "reasoning_content": STRING}, nullable(STOP_REASON))),
-    "Usage": obj(["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details",
-                  "completion_tokens_details"], {
-        "prompt_tokens": COUNT, "completion_tokens": COUNT, "total_tokens": COUNT,
-        "prompt_tokens_details": obj(["cached_tokens"], {"cached_tokens": COUNT}),
-        "completion_tokens_details": obj(["reasoning_tokens"], {"reasoning_tokens": COUNT},
-                                         description="of the completion tokens, those inside the reasoning block")}),
-    "LSEContext": obj(["tokens_used", "context_length", "tokens_remaining"], {
-        "tokens_used": COUNT, "context_length": COUNT, "tokens_remaining": COUNT}),
-    "Timings": obj(["prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms",
-                    "predicted_per_second"], {
-        "prompt_n": COUNT, "prompt_ms": NUMBER, "prompt_per_second": NUMBER,
-        "predicted_n": COUNT, "predicted_ms": NUMBER, "predicted_per_second": NUMBER}),
-    "LSEWarning": obj(["type", "cause"], {"type": {"enum": ["cpu_fallback", "structured_output_incomplete"]},
-                                          "cause": STRING, "count": COUNT},
-                      description="count: a cpu_fallback's runs in this request"),
     "Thinking": obj(["supported", "source", "toggle", "effort", "default_level", "levels"], {
         "supported": BOOLEAN, "source": nullable(STRING), "toggle": nullable({"const": "enable_thinking"}),
         "effort": nullable({"const": "reasoning_effort"}), "default_level": nullable(STRING),
@@ -270,21 +167,14 @@ SCHEMAS: dict[str, Any] = {
         "allowed": BOOLEAN, "total": COUNT,
         "events": {"type": "array", "items": obj(["cause", "count"], {"cause": STRING, "count": COUNT})}}),
     "Health": obj(["status"], {"status": {"enum": ["ok", "loading"]}}),
-    "TokenizeRequest": {"anyOf": [
-        obj(["content"], {"content": STRING}, description="llama.cpp's: plain text"),
-        ref("CompletionRequest"), ref("ChatCompletionRequest")],
-        "properties": {name: nullable(BOOLEAN) for name in ("add_special", "add_special_tokens",
-                                                            "add_generation_prompt", "with_pieces")},
-        "description": "a completion's or chat's body gives the tokens that request would start from"},
     "Tokenized": obj(["tokens", "count", "max_model_len"], {
         "tokens": {"type": "array", "items": {"anyOf": [COUNT, obj(["id", "piece"], {
             "id": COUNT, "piece": {"anyOf": [STRING, {"type": "array", "items": COUNT}]}})]}},
         "count": COUNT, "max_model_len": COUNT}),
-    "Tokens": obj(["tokens"], {"tokens": {"type": "array", "items": TOKEN_ID}}),
     "Content": obj(["content"], {"content": STRING}),
 }
 
-# ---- the other APIs' replies (their requests are the adapters' pydantic models) ----
+# ---- the other APIs' replies ----
 
 def text_part(kind: str, **more: Any) -> dict[str, Any]:
     return obj(["type", "text"], {"type": {"const": kind}, "text": STRING, **more})
@@ -351,10 +241,13 @@ REPLY_SCHEMAS: dict[str, Any] = {
 }
 
 
-def request_schemas() -> dict[str, Any]:
-    """The adapters' and embeddings' request bodies as their pydantic models declare them."""
-    models = (ResponsesRequest, MessagesRequest, CountTokensRequest, EmbeddingsRequest)
-    _, schema = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
+def model_schemas() -> dict[str, Any]:
+    """Every request body as the pydantic model that checks it declares it, and the reply parts that
+    lse_core.protocol builds from pydantic dataclasses as they serialize."""
+    requests = (ChatCompletionRequest, CompletionRequest, TokenizeBody, DetokenizeRequest, ResponsesRequest,
+                MessagesRequest, CountTokensRequest, EmbeddingsRequest)
+    _, schema = models_json_schema([(m, "validation") for m in requests] + [(m, "serialization") for m in REPLY_PARTS],
+                                   ref_template="#/components/schemas/{model}")
     return schema["$defs"]
 
 
@@ -440,7 +333,7 @@ OPENAPI: dict[str, Any] = {
              "description": "LSE's OpenAI-compatible API, with LSE's own fields (stop_reason, lse_context, "
                             "timings, lse_warnings, thinking levels, generation defaults)."},
     "components": {
-        "schemas": _merged(SCHEMAS, REPLY_SCHEMAS, request_schemas()),
+        "schemas": _merged(SCHEMAS, REPLY_SCHEMAS, model_schemas()),
         "responses": {f"Error{status}": json_body(ref("Error"), text) for status, text in ERROR_TEXT.items()},
         "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer",
                                        "description": "only when lse-server runs with --api-key"},
@@ -485,8 +378,8 @@ OPENAPI: dict[str, Any] = {
         "/": {"get": {"summary": "The chat page (its files under /page/), served without the API key",
                       "security": [], "responses": {"200": {"description": "the page",
                                                             "content": {"text/html": {"schema": STRING}}}}}},
-        "/tokenize": post("Tokens of text, or of a completion's or chat's prompt", "TokenizeRequest", "Tokenized"),
-        "/detokenize": post("Text of token ids", "Tokens", "Content"),
+        "/tokenize": post("Tokens of text, or of a completion's or chat's prompt", "TokenizeBody", "Tokenized"),
+        "/detokenize": post("Text of token ids", "DetokenizeRequest", "Content"),
         "/metrics": get("Prometheus metrics", "", 503, media="text/plain"),
         "/openapi.json": {"get": {"summary": "This document", "responses": {"200": json_body({"type": "object"},
                                                                                             "OpenAPI 3.1")}}},

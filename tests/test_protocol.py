@@ -20,6 +20,8 @@ from lse_core.protocol import (
     model_entry,
     parse_chat,
     parse_completion,
+    parse_detokenize,
+    parse_tokenize,
 )
 from lse_core.sampling import generation_defaults
 from lse_core.template.render import ChatTemplate
@@ -121,9 +123,12 @@ def test_earlier_call_arguments_are_an_object_and_their_text():
 
 
 def test_tools_and_tool_choice_pass_through():
-    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    tools = [{"type": "function", "function": {"name": "weather", "description": "The weather.",
+                                                "parameters": {"type": "object"}, "strict": True}}]
     request = chat(tools=tools, tool_choice={"type": "function", "function": {"name": "weather"}})
     assert request.tools == tools
+    # the template renders them as sent: their fields in the client's order, unknown ones kept
+    assert list(request.tools[0]["function"]) == ["name", "description", "parameters", "strict"]
     assert request.tool_choice == {"type": "function", "function": {"name": "weather"}}
     assert chat(tool_choice="auto").tool_choice == "auto"
 
@@ -160,6 +165,10 @@ def test_tools_and_tool_choice_pass_through():
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
      "invalid_value", "messages[0].content[0].text"),
     ({"messages": [{"role": "\ud800", "content": "x"}]}, "invalid_value", "messages[0].role"),
+    ({"messages": [{"role": None, "content": "x"}]}, "missing_field", "messages[0].role"),
+    ({"messages": [None]}, "invalid_type", "messages[0]"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": None}]}]},
+     "missing_field", "messages[0].tool_calls[0].function"),
 ])
 def test_message_errors_name_the_path(body, code, param):
     error = refusal(parse_chat, body)
@@ -175,6 +184,7 @@ def test_message_errors_name_the_path(body, code, param):
     ({"stop": ""}, "invalid_value", "stop"),
     ({"stop": ["a", ""]}, "invalid_value", "stop[1]"),
     ({"stop": ["a", 3]}, "invalid_type", "stop[1]"),
+    ({"stop": ["a", None]}, "invalid_type", "stop[1]"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "invalid_value", "stop"),
     ({"n": 2}, "invalid_value", "n"),
     ({"n": 0}, "invalid_value", "n"),
@@ -183,6 +193,7 @@ def test_message_errors_name_the_path(body, code, param):
     ({"temperature": math.nan}, "invalid_value", "temperature"),
     ({"temperature": math.inf}, "invalid_value", "temperature"),
     ({"temperature": 10**400}, "invalid_value", "temperature"),
+    ({"temperature": 2**1024 - 1}, "invalid_value", "temperature"),   # rounds to no float
     ({"top_k": 1.5}, "invalid_type", "top_k"),
     ({"top_k": -2}, "invalid_value", "top_k"),
     ({"top_k": False}, "invalid_type", "top_k"),
@@ -226,6 +237,11 @@ def test_message_errors_name_the_path(body, code, param):
     ({"structured_outputs": {"choice": ["a", 1]}}, "invalid_type", "structured_outputs.choice[1]"),
     ({"structured_outputs": {"json": "not json"}}, "invalid_type", "structured_outputs.json"),
     ({"grammar": ""}, "invalid_value", "grammar"),
+    ({"grammar": " \n"}, "invalid_value", "grammar"),
+    ({"structured_outputs": {"regex": " "}}, "invalid_value", "structured_outputs.regex"),
+    ({"structured_outputs": {"json": "5"}}, "invalid_type", "structured_outputs.json"),
+    ({"tools": [{"type": "function", "function": None}]}, "missing_field", "tools[0].function"),
+    ({"tool_choice": 3}, "invalid_type", "tool_choice"),
     ({"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}}, "invalid_value", "grammar"),
     ({"parallel_tool_calls": "no"}, "invalid_type", "parallel_tool_calls"),
     ({"ignore_eos": 1}, "invalid_type", "ignore_eos"),
@@ -315,6 +331,51 @@ def test_completion_fields():
 ])
 def test_completion_errors(body, code, param):
     error = refusal(parse_completion, body)
+    assert (error["code"], error["param"]) == (code, param)
+
+
+# ---- the tokenizer endpoints ----
+
+def test_tokenize_forms():
+    text = parse_tokenize({"content": "Hi", "add_special": True, "with_pieces": True})
+    assert (text.request, text.content, text.add_special, text.with_pieces) == (None, "Hi", True, True)
+    completion = parse_tokenize({"prompt": [1, 2], "add_special_tokens": False, "add_generation_prompt": False})
+    assert (completion.request.prompt, completion.add_special, completion.add_generation_prompt) == \
+        ([1, 2], False, False)
+    chat_body = parse_tokenize({"messages": [USER], "prompt": "ignored", "content": 5})
+    assert chat_body.request.messages == [USER] and chat_body.add_special is None and chat_body.add_generation_prompt
+
+
+@pytest.mark.parametrize("body, code, param", [
+    ({}, "missing_field", "content"),
+    ({"content": 5}, "invalid_type", "content"),
+    ({"content": "x", "with_pieces": 1}, "invalid_type", "with_pieces"),
+    ({"prompt": "x", "add_special": "yes"}, "invalid_type", "add_special"),
+    ({"prompt": [1, -1]}, "invalid_value", "prompt[1]"),
+    ({"messages": [], "prompt": "x"}, "invalid_value", "messages"),
+    ({"messages": [USER], "n": 3}, "invalid_value", "n"),
+])
+def test_tokenize_errors(body, code, param):
+    error = refusal(parse_tokenize, body)
+    assert (error["code"], error["param"]) == (code, param)
+
+
+def test_detokenize_takes_token_ids_of_the_vocabulary():
+    assert parse_detokenize({"tokens": [0, 9.0, 3]}, 10) == [0, 9, 3]
+    assert parse_detokenize({"tokens": []}, 10) == []
+
+
+@pytest.mark.parametrize("body, code, param", [
+    ({}, "missing_field", "tokens"),
+    ({"tokens": None}, "missing_field", "tokens"),
+    ({"tokens": "1 2"}, "invalid_type", "tokens"),
+    ({"tokens": [1, True]}, "invalid_type", "tokens[1]"),
+    ({"tokens": [1, 2.5]}, "invalid_type", "tokens[1]"),
+    ({"tokens": [-1]}, "invalid_value", "tokens[0]"),
+    ({"tokens": [3, 10]}, "invalid_value", "tokens[1]"),
+])
+def test_detokenize_errors(body, code, param):
+    error = refusal(lambda b: parse_detokenize(b, 10), body)
     assert (error["code"], error["param"]) == (code, param)
 
 

@@ -1,5 +1,6 @@
-"""What every adapter shares: a body checked against its pydantic model (an LSEError naming the field,
-as the core's own checks name it), and the core's streamed chunks read back as deltas and an ending."""
+"""What every API's body and adapter share: a body checked against its pydantic model (an LSEError naming
+the field by its path, with the spec's code), and the core's streamed chunks read back as deltas and an
+ending."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ TOKEN_ID_MARK = "x-lse-token-id"      # at most the vocabulary's last id
 WIDTH_MARK = "x-lse-hidden-size"      # at most the model's hidden size
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True}), AS_INTEGER]
 Text = Annotated[str, Field(min_length=1)]
+Count = Annotated[int, Field(ge=0)]
+# A reply part declared as a pydantic dataclass: its serialization schema lists every field as present.
+REPLY_PART = ConfigDict(json_schema_serialization_defaults_required=True)
 Item = TypeVar("Item")
 NonEmpty = Annotated[Item, Field(min_length=1)]
 
@@ -63,28 +67,35 @@ def _field_error(error: ValidationError, body: dict[str, Any]) -> LSEError:
     """The most specific of pydantic's errors as an LSEError: a union reports one per member, and the one
     that got furthest into the body (deepest, then at the latest item, then one whose type matched: a
     value out of range says more than "not a string") says what is wrong."""
-    found = [(_path(e["loc"], body), e) for e in error.errors(include_url=False)]
+    found = [(_path(e["loc"], body, e["type"] == "missing"), e) for e in error.errors(include_url=False)]
     path, worst = max(found, key=lambda pair: (pair[0].count(".") + pair[0].count("["),
                                                [int(i) for i in re.findall(r"\[(\d+)\]", pair[0])],
-                                               not _is_type_error(pair[1]["type"])))
-    kind = worst["type"]
+                                               not _is_type_error(pair[1])))
+    kind, message = worst["type"], worst["msg"]
+    if worst["input"] is None and path and not path.endswith("]") and kind != "missing":
+        kind, message = "missing", "Field required"   # a field sent as null counts as not sent
     code = ("missing_field" if kind in ("missing", "union_tag_not_found")
-            else "invalid_type" if _is_type_error(kind) else "invalid_value")
-    return invalid_request(f"{path}: {worst['msg']}", code, path or None)
+            else "invalid_type" if _is_type_error(worst) else "invalid_value")
+    return invalid_request(f"{path}: {message}", code, path or None)
 
 
-def _is_type_error(kind: str) -> bool:
-    return kind.endswith("_type") or kind in ("model_attributes_type", "int_from_float")
+def _is_type_error(error: Any) -> bool:
+    """Not the kind of value the field takes: another JSON type, text that is no JSON, or a value that is not
+    a string where the field takes one of some strings (every Literal of the bodies is of strings)."""
+    kind = error["type"]
+    return (kind.endswith("_type") or kind in ("int_from_float", "json_invalid")
+            or (kind == "literal_error" and not isinstance(error["input"], str)))
 
 
-def _path(loc: tuple[int | str, ...], body: Any) -> str:
+def _path(loc: tuple[int | str, ...], body: Any, missing: bool) -> str:
     """A pydantic location as a JSON path into the body. Locations also name union members ("str",
-    "list[...]", a tag): those are the steps the body itself does not have, and are left out."""
+    "list[...]", a tag): those are the steps the body itself does not have, and are left out, but for
+    the last step of a missing field's location, which is that field."""
     path, value = "", body
     for i, step in enumerate(loc):
         if isinstance(step, int) and isinstance(value, list) and step < len(value):
             path, value = f"{path}[{step}]", value[step]
-        elif isinstance(step, str) and isinstance(value, dict) and (step in value or i == len(loc) - 1):
+        elif isinstance(step, str) and isinstance(value, dict) and (step in value or missing and i == len(loc) - 1):
             path, value = f"{path}.{step}" if path else step, value.get(step)
     return path
 
