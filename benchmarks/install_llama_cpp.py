@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, CMAKE_ARGS=flags)
     print(f"CMAKE_ARGS={flags}", file=sys.stderr)
     pip = [sys.executable, "-m", "pip"]
-    subprocess.run(["nice", *pip, "wheel", f"llama-cpp-python=={VERSION}", "-w", str(WHEELS), "--no-deps"],
-                   env=env, check=True)
+    wheel = ["wheel", f"llama-cpp-python=={VERSION}", "-w", str(WHEELS), "--find-links", str(WHEELS), "--no-deps"]
+    subprocess.run(["nice", *pip, *wheel], env=env, check=True)   # a wheel already built is reused
     subprocess.run([*pip, "install", "--find-links", str(WHEELS), f"llama-cpp-python=={VERSION}"],
                    check=True)
     return 0
