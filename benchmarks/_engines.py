@@ -21,9 +21,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 ENGINES = ("lse", "lse-cpu0", "llama.cpp", "transformers")
-LLAMA_CPP_INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=ON" pip wheel llama-cpp-python -w ~/.cache/lse-wheels --no-deps '
-                     "&& pip install --find-links ~/.cache/lse-wheels llama-cpp-python "
-                     "(builds llama.cpp from source, ~6 minutes on 2 cores)")
+LLAMA_CPP_INSTALL = ("python benchmarks/install_llama_cpp.py (builds llama.cpp from source with the flags this "
+                     "CPU needs, ~6 minutes on 2 cores)")
 
 
 class EngineMissing(Exception):

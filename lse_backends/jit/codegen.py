@@ -22,7 +22,7 @@ from collections.abc import Callable
 from lse_core.graph.fuse import FusedGroup
 from lse_core.graph.ir import ELEMENTWISE_OPS
 
-from .cache import generated_sources
+from .cache import generated_sources, stage
 from .program import MAX_INPUTS, MAX_OUTPUTS
 
 _compiled: dict[str, Callable] = {}
@@ -99,6 +99,7 @@ def compile_elementwise(group: FusedGroup) -> Callable:
         spec = importlib.util.spec_from_file_location(f"lse_jit_fused_{digest}", path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # numba's cache finds the function's globals through it
-        spec.loader.exec_module(module)
+        with stage(f"a fused group of {', '.join(group.ops)}"):   # compiles it, or loads it from the cache
+            spec.loader.exec_module(module)
         _compiled[digest] = module.fused
     return _compiled[digest]

@@ -24,7 +24,7 @@ from numba.core.errors import NumbaPendingDeprecationWarning
 
 from lse_core.graph.ir import Step
 
-from . import atomics, attention, kernels, quant
+from . import atomics, attention, cache, kernels, quant
 
 # instruction ops
 EMBED, EMBED_Q, RMS_NORM, LINEAR, LINEAR_Q, ROPE, ATTENTION, FUSED, LAST_ROWS = range(9)
@@ -218,7 +218,7 @@ def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, cac
                 y[i, j] = x[sample_rows[i], j]
 
 
-@njit(_WORK_SIGNATURE, cache=True, nogil=True)
+@njit(cache=True, nogil=True)  # compiled by work_list(), when a program first runs: not at every import
 def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tokens, positions, row_slot,
           sample_rows, counters, n_threads, thread, row_invariant):
     """Thread ``thread``'s part. Each task (an instruction, or one of its phases) starts once the one
@@ -297,7 +297,11 @@ def _listed(work):
 def work_list() -> typed.List:
     """[_work] as ``execute`` calls it: through a function pointer, so that execute's compiled code does
     not hold _work's, and numba compiles execute in 2 s instead of re-optimizing all of _work in it (25 s
-    of a cold start). Passed in a list: a function argument is looked up at every call (1 ms here)."""
+    of a cold start). Passed in a list: a function argument is looked up at every call (1 ms here).
+    _work compiles here (or loads from the cache), when a program first runs, so that a process that imports
+    the jit backend but runs nothing on jit:0 (another pool) does not compile its half-minute of kernels."""
+    _work.compile(_WORK_SIGNATURE.args)
+    _work.disable_compile()  # as @njit(_WORK_SIGNATURE) would: _listed converts it to its function type
     return _listed(_work)
 
 
@@ -395,6 +399,12 @@ class Program:
         self.rows = np.zeros(len(self.acts), np.int64)
 
     def __call__(self, inputs: Sequence[np.ndarray], step: Step) -> list[np.ndarray]:
+        if not self.acts:  # the first run: what every program runs compiles now (or loads from the cache)
+            with cache.stage("the program's kernels"):
+                return self._run(inputs, step)
+        return self._run(inputs, step)
+
+    def _run(self, inputs: Sequence[np.ndarray], step: Step) -> list[np.ndarray]:
         self._check(step)
         if not self.acts or step.n_tokens > self.capacity:
             self._allocate(inputs, max(self.capacity, step.n_tokens))

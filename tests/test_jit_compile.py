@@ -1,0 +1,52 @@
+"""jit:0's compiles on a cold cache: each stage is reported while it runs (a log line at its start and
+end, a bar on a terminal), recorded in cache.COMPILED, silent once cached; and importing the backend
+compiles none of the program's kernels, which wait for a program to run on jit:0."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+COMPILE_A_GROUP = """
+import json, logging, sys
+logging.basicConfig(level="WARNING", format="%(message)s", stream=sys.stderr)
+from lse_backends.jit import cache, codegen, program
+from lse_core.graph.fuse import FusedGroup
+from lse_core.graph.ir import Node
+group = FusedGroup(0, (Node("silu", ("x",), "a"), Node("mul", ("a", "y"), "b")), ("x", "y"), ("b",), ())
+codegen.compile_elementwise(group)
+print(json.dumps({"compiled": [c.name for c in cache.COMPILED], "work": len(program._work.signatures)}))
+"""
+
+
+def run_cold(tmp_path: Path) -> tuple[dict, list[str]]:
+    """COMPILE_A_GROUP in a new process whose numba cache and generated sources live under tmp_path."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), NUMBA_CACHE_DIR=str(tmp_path / "numba"),
+               LSE_JIT_CACHE=str(tmp_path / "generated"))
+    result = subprocess.run([sys.executable, "-c", COMPILE_A_GROUP], env=env, capture_output=True, text=True,
+                            check=True, timeout=600)
+    return json.loads(result.stdout), [line for line in result.stderr.splitlines() if "jit:0 compil" in line]
+
+
+def test_compiling_is_reported_per_stage_and_recorded_then_silent_once_cached(tmp_path):
+    first, lines = run_cold(tmp_path)
+    assert "fused.fused" in first["compiled"]
+    group_lines = [line for line in lines if "a fused group of silu, mul" in line]
+    assert group_lines[0].startswith("lse: jit:0 compiling a fused group of silu, mul (a first run")
+    assert group_lines[1].startswith("lse: jit:0 compiled a fused group of silu, mul: 1 functions in ")
+    assert len(group_lines) == 2
+
+    second, lines = run_cold(tmp_path)
+    assert second["compiled"] == [] and lines == []   # everything loaded from the cache
+
+
+def test_importing_the_backend_compiles_none_of_the_programs_kernels(tmp_path):
+    """A pool without jit:0 still imports it (every backend is listed): its minute of program kernels
+    (program._work, the quantized linears, attention) must wait for a program to run."""
+    first, _ = run_cold(tmp_path)
+    assert first["work"] == 0
+    assert not [name for name in first["compiled"] if name.startswith(("quant.", "attention.", "program._work"))]
+
