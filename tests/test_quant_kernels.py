@@ -1,6 +1,7 @@
 """The jit device's quantized kernels (lse_backends/jit/quant.py) against gguf's own dequantization: linear
 for every weight type, token count and row count that reaches a different tile or tail, on the serial
-and the parallel path; embed_rows; the load-time layout; the portable IR in a fresh process."""
+and the parallel path; embed_rows; the load-time layout; the instruction set's choice, and every one the
+host has (AVX2 and the portable IR too on a VNNI host) in a fresh process."""
 
 from __future__ import annotations
 
@@ -9,18 +10,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import llvmlite.binding as llvm
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
+from llvmlite import ir
 
 import lse_backends.jit.quant as quant
+from lse_backends.jit import vector
 
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 # K super-blocks hold 256 values: one, two and three of them a row, in the same row counts
 K_SHAPES = ((8, 256), (24, 512), (37, 768), (5, 256), (200, 256), (600, 256))
 K_BLOCKS = {"Q4_K": (144, 0), "Q6_K": (210, 208), "Q5_K": (176, 0)}   # super-block bytes, where its f16 d
                                                                     # (and dmin, but Q6_K's) is
-TOKENS = (1, 2, 3, 5, 16, 37)  # one-token passes, 4-token tiles, panels, and the remainders each leaves
+TOKENS = (1, 2, 3, 5, 16, 37)  # one-token passes, 4-token tiles, panels, GEMM tiles, and the remainders each
+                               # leaves
 # rows: one group (the two-group tile clamped), an odd number of groups, groups plus 5 rows kept as
 # stored, only such rows; 200 rows split into several work items from 2 tokens, 600 rows from 1. n: one
 # block, odd and even numbers of blocks.
@@ -61,9 +66,9 @@ def int8_activations(x: np.ndarray) -> np.ndarray:
 
 def seen_by_kernels(qtype: str, x: np.ndarray) -> np.ndarray:
     """The activations a product is exact for: int8 ones for Q4 weights (Q4_K too) in steps of up to
-    INT8_TOKENS tokens, float32 otherwise (Q8_0, Q6_K, and longer steps)."""
-    float_kind = quant.KINDS[qtype] in (quant.Q8_0, quant.Q6_K, quant.Q5_K)
-    return int8_activations(x) if not float_kind and len(x) <= quant.INT8_TOKENS else x
+    INT8_TOKENS tokens and for the others (Q8_0, Q6_K, Q5_K) in longer ones (GEMM tiles), float32 otherwise."""
+    q8_style = quant.KINDS[qtype] in (quant.Q8_0, quant.Q6_K, quant.Q5_K)
+    return int8_activations(x) if q8_style == (len(x) > quant.INT8_TOKENS) else x
 
 
 def assert_close_to_reference(out: np.ndarray, x: np.ndarray, dense: np.ndarray) -> None:
@@ -88,12 +93,12 @@ def test_the_shapes_reach_one_and_several_work_items():
 
 def test_the_token_counts_reach_every_path():
     """Each path of quant._groups gets token counts: one-token passes; 4-token tiles (int8 for Q4, float32
-    for Q8_0) with and without a clamped remainder; panels (Q8_0 from PANEL_TOKENS, Q4 past INT8_TOKENS),
-    with one."""
+    for Q8_0) with and without a clamped remainder; panels (Q8_0 from PANEL_TOKENS, Q4 past INT8_TOKENS);
+    Q8_0's GEMM tiles past INT8_TOKENS, with a clamped remainder."""
     assert min(TOKENS) <= quant.ONE_TOKEN_PASSES
     assert any(quant.ONE_TOKEN_PASSES < t < quant.PANEL_TOKENS and t % 4 for t in TOKENS)
     assert any(quant.PANEL_TOKENS <= t <= quant.INT8_TOKENS and t % 4 == 0 for t in TOKENS)
-    assert any(t > quant.INT8_TOKENS and t % 4 for t in TOKENS)
+    assert any(t > quant.INT8_TOKENS and t % quant.GEMM_TOKENS for t in TOKENS)
 
 
 @pytest.mark.parametrize("qtype, rows, n", [(q, r, n) for q in QTYPES for r, n in SHAPES]
@@ -119,17 +124,17 @@ def test_linear_reads_activation_rows_through_their_stride():
     assert np.isnan(out[3:]).all()
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-def test_int8_activations_keep_zero_blocks_exact_and_non_finite_ones_nan(qtype):
-    """One-token Q4 passes quantize each block of 32 activations on its own: an all-zero block adds
-    nothing, a block of one large value keeps the others' scale; a NaN or an infinity makes its token's
-    products NaN (not a wrong number), and the other token's stay right."""
-    blocks, dense = gguf_weight(qtype, 24, 128)
+@pytest.mark.parametrize("qtype, tokens", [("Q4_0", 2), ("Q4_1", 2), *((q, 20) for q in ("Q8_0", "Q6_K", "Q5_K"))])
+def test_int8_activations_keep_zero_blocks_exact_and_non_finite_ones_nan(qtype, tokens):
+    """One-token Q4 passes and the GEMM tiles quantize each block of 32 activations on its own: an all-zero
+    block adds nothing, a block of one large value keeps the others' scale; a NaN or an infinity makes its
+    token's products NaN (not a wrong number), and the other tokens' stay right."""
+    blocks, dense = gguf_weight(qtype, 24, 256 if qtype in K_BLOCKS else 128)
     kind, laid_out = prepared(qtype, blocks)
-    x = RNG.standard_normal((2, 128)).astype(np.float32)
+    x = RNG.standard_normal((tokens, dense.shape[1])).astype(np.float32)
     x[:, 32:64] = 0
     x[:, 64] = 1e4
-    out = np.full((2, 24), np.nan, np.float32)
+    out = np.full((tokens, 24), np.nan, np.float32)
     quant.linear(kind, laid_out, x, out)
     assert_close_to_reference(out, int8_activations(x), dense)
     for bad in (np.nan, np.inf, -np.inf):
@@ -137,6 +142,20 @@ def test_int8_activations_keep_zero_blocks_exact_and_non_finite_ones_nan(qtype):
         quant.linear(kind, laid_out, x, out)
         assert np.isnan(out[0]).all()
         assert_close_to_reference(out[1:], int8_activations(x[1:]), dense)
+
+
+def test_gemm_tiles_multiply_any_int8_weight_byte():
+    """The GEMM tiles multiply a signed weight as |q| times the activation with q's sign: every byte of a Q8_0
+    block is a weight, -128 too (gguf never writes it; a file may), exactly."""
+    blocks = RNG.integers(0, 256, (40, 8, 34), dtype=np.uint8)
+    blocks[:, :, :2] = RNG.uniform(1e-3, 1e-2, (40, 8, 1)).astype(np.float16).view(np.uint8)
+    blocks[:, :, 2:4] = 0x80
+    blocks = blocks.reshape(40, -1)
+    dense = quants.dequantize(blocks, GGMLQuantizationType.Q8_0).astype(np.float32)
+    x = RNG.standard_normal((quant.INT8_TOKENS + 3, 256)).astype(np.float32)
+    out = np.full((len(x), 40), np.nan, np.float32)
+    quant.linear(*prepared("Q8_0", blocks), x, out)
+    assert_close_to_reference(out, int8_activations(x), dense)
 
 
 def test_linear_rejects_mismatched_shapes():
@@ -221,30 +240,39 @@ def test_q5_0_is_laid_out_as_q8_0_blocks():
     np.testing.assert_array_equal(d * row[:, 2:].view(np.int8), dense[36].reshape(-1, 32))
 
 
-def test_portable_ir_gives_the_same_floats(tmp_path):
-    """LSE_JIT_PORTABLE=1 in a fresh numba cache: the f16 scales decoded with integer vector ops instead
-    of vcvtph2ps, the int8 pair products as plain multiplies and adds instead of pmaddubsw (exact either
-    way); every other operation is the same IR, so the results are bit for bit the same. The
-    subprocess compiles the row-group driver only (every tile; linear adds no IR of its own)."""
-    x = RNG.standard_normal((16, 256)).astype(np.float32)
+HOST_ISAS = [isa for isa in vector.ISA_FEATURES if isa != vector.ISA
+             and all(llvm.get_host_cpu_features().get(f) for f in vector.ISA_FEATURES[isa])]
+
+
+@pytest.mark.parametrize("isa", HOST_ISAS)
+def test_every_instruction_set_the_host_has_gives_the_same_floats(tmp_path, isa):
+    """LSE_JIT_ISA forces each instruction set the host has besides the one chosen (on an AVX-512 VNNI host:
+    AVX2 and the portable IR) in a fresh numba cache: vpdpbusd, pmaddubsw and pmaddwd, or widened integer
+    ops for the int8 products, vcvtph2ps or integer ops for the f16 scales, all exact; every other
+    operation is the same IR, so the results are bit for bit the same (and so as close to the reference).
+    The subprocess compiles the row-group driver only (every tile; linear adds no IR of its own)."""
+    x = RNG.standard_normal((37, 256)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
     expected = {}
     for qtype in (*QTYPES, *K_BLOCKS):
-        kind, laid_out = prepared(qtype, gguf_weight(qtype, 40, 256)[0])
+        blocks, dense = gguf_weight(qtype, 40, 256)
+        kind, laid_out = prepared(qtype, blocks)
         np.save(tmp_path / f"{qtype}.npy", laid_out)
-        for tokens in (1, 3, 16):
+        for tokens in (1, 3, 16, 37):
             out = np.full((tokens, 40), np.nan, np.float32)
             scratch = quant.activation_scratch(tokens, 256)
             quant.quantize_activations(kind, x[:tokens], scratch)
             quant._groups(kind, laid_out, x[:tokens], out, 0, 5, scratch)
+            assert_close_to_reference(out, seen_by_kernels(qtype, x[:tokens]), dense)
             expected[qtype, tokens] = out
     script = (
         "import sys, numpy as np\n"
         "import lse_backends.jit.quant as quant\n"
-        "assert not quant.AVX2\n"
+        "from lse_backends.jit import vector\n"
+        f"assert vector.ISA == {isa!r}\n"
         "d = sys.argv[1]; x = np.load(d + '/x.npy')\n"
         "for q in ('Q4_0', 'Q4_1', 'Q8_0', 'Q4_K', 'Q6_K', 'Q5_K'):\n"
-        "    for t in (1, 3, 16):\n"
+        "    for t in (1, 3, 16, 37):\n"
         "        out = np.full((t, 40), np.nan, np.float32)\n"
         "        w = np.load(f'{d}/{q}.npy'); w.flags.writeable = False\n"
         "        scratch = quant.activation_scratch(t, 256)\n"
@@ -252,8 +280,46 @@ def test_portable_ir_gives_the_same_floats(tmp_path):
         "        quant._groups(quant.KINDS[q], w, x[:t], out, 0, 5, scratch)\n"
         "        np.save(f'{d}/{q}.{t}.npy', out)\n"
     )
-    env = dict(os.environ, LSE_JIT_PORTABLE="1", NUMBA_CACHE_DIR=str(tmp_path / "numba"),
+    env = dict(os.environ, LSE_JIT_ISA=isa, NUMBA_CACHE_DIR=str(tmp_path / "numba"),
                PYTHONPATH=str(Path(__file__).parents[1]))
-    subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True, timeout=300)
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True, timeout=600)
     for (qtype, tokens), out in expected.items():
         np.testing.assert_array_equal(np.load(tmp_path / f"{qtype}.{tokens}.npy"), out)
+
+
+def test_the_instruction_set_is_the_best_the_features_allow_or_the_one_asked_for():
+    avx2 = {"avx2": True, "f16c": True, "fma": True}
+    assert vector.select_isa({}) == "portable"
+    assert vector.select_isa({"avx2": True, "fma": True}) == "portable"   # no F16C
+    assert vector.select_isa(avx2) == "avx2"
+    assert vector.select_isa({**avx2, "avxvnni": True}) == "avxvnni"
+    assert vector.select_isa({**avx2, "avx512vnni": True}) == "avx2"      # its 256-bit form needs AVX512VL
+    assert vector.select_isa({**avx2, "avx512vnni": True, "avx512vl": True, "avxvnni": True}) == "avx512vnni"
+    assert vector.select_isa({**avx2, "avx512vnni": True, "avx512vl": True}, "avx2") == "avx2"
+    assert vector.select_isa(avx2, "portable") == "portable"
+    for requested in ("avxvnni", "avx512vnni"):
+        with pytest.raises(ValueError, match="lacks"):
+            vector.select_isa(avx2, requested)
+    with pytest.raises(ValueError, match="not one of"):
+        vector.select_isa(avx2, "sse2")
+
+
+@pytest.mark.parametrize("isa, cpu, instructions", [
+    ("avx512vnni", "icelake-server", ["vpdpbusd"]), ("avxvnni", "alderlake", ["{vex}", "vpdpbusd"]),
+    ("avx2", "haswell", ["vpmaddubsw", "vpmaddwd"]), ("portable", "haswell", ["vpmullw"])])
+def test_each_instruction_set_lowers_the_int8_products_to_its_instructions(monkeypatch, isa, cpu, instructions):
+    """The int8 dot product (quant._dot4) written for each instruction set, compiled for a CPU that has it
+    (whatever this host is: only assembly is made), is made of that set's instructions, and of no VNNI one
+    where the set has none (a vpdpbusd would not run there)."""
+    monkeypatch.setattr(quant, "VNNI", isa in ("avx512vnni", "avxvnni"))
+    monkeypatch.setattr(quant, "AVX2", isa != "portable")
+    module = ir.Module()
+    v8i32, v32i8 = ir.VectorType(ir.IntType(32), 8), ir.VectorType(ir.IntType(8), 32)
+    function = ir.Function(module, ir.FunctionType(v8i32, [v8i32, v32i8, v32i8]), "dot4")
+    builder = ir.IRBuilder(function.append_basic_block())
+    builder.ret(quant._dot4(builder, *function.args))
+    llvm.initialize_native_asmprinter()
+    machine = llvm.Target.from_triple(llvm.get_process_triple()).create_target_machine(cpu=cpu, opt=2)
+    assembly = machine.emit_assembly(llvm.parse_assembly(str(module)))
+    assert all(name in assembly for name in instructions), assembly
+    assert ("vpdpbusd" in assembly) == quant.VNNI

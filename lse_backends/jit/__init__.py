@@ -25,7 +25,7 @@ else:
     from . import cache
 
     cache.install()  # before any function of the package is cached: keyed by all of its sources
-    from . import codegen, program, quant
+    from . import codegen, program, quant, vector
     from .program import ATTENTION, EMBED, EMBED_Q, FUSED, LAST_ROWS, LINEAR, LINEAR_Q, RMS_NORM, ROPE, Instruction
 
 log = logging.getLogger("lse")
@@ -42,7 +42,8 @@ class JitDevice(Device):
     def __init__(self) -> None:
         self.info = DeviceInfo("jit", 0, "cpu", codegen=True, description=(
             f"numba {numba.__version__} on {llvm_host_cpu()}, {numba.get_num_threads()} threads; "
-            "int8 activations for Q4 weights in steps of up to 16 tokens"))
+            f"int8 activations ({vector.ISA}) for Q8_0-style weights in prefill and Q4 ones in steps of up to "
+            "16 tokens"))
         # id(weight) -> (weight, laid-out form): a weight read by several groups (tied embeddings) is
         # prepared once; the source is kept so its id stays unique
         self._prepared: dict[int, tuple[Any, Any]] = {}

@@ -4,9 +4,15 @@ x as xs * xq, xq = rint(x * 127 / max|x|) (half to even), xs = max|x| / 127. ``q
 once per product and thread, to a float32 scratch row per token: [xs per block | xs * sum(xq) per block |
 256 bytes per block, the int8 values in pairs, each pair once per row of a weight group, in the order the
 tiles load them]. Laid out so, a tile's activation operand is a plain 32-byte load that meets the eight
-rows of its weight group at once."""
+rows of its weight group at once.
+
+Steps of more tokens (prefill) take the compact layout instead (``quantize_compact``, read by quant.py's
+GEMM tiles): the same two float32 fields per block, then the 32 int8 values of each block in order, a
+quarter of the float32 row's bytes; a tile broadcasts four of them at a time against its weight rows."""
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 from llvmlite import ir
@@ -53,12 +59,16 @@ def _horizontal(builder: ir.IRBuilder, value: ir.Value, combine) -> ir.Value:
     return builder.extract_element(value, ir.Constant(i32, 0))
 
 
-@intrinsic
-def _quantize_block(typingctx, x, patterns, b):
-    """Block b of the 1-D float32 row x as int8 (see ``quantize``): its 32 values laid out
-    in patterns[256 b ..] as the int8 tiles load them; returns (xs, xs * sum(xq)), NaN for a block with
-    a NaN or an infinity. Its largest |x| is an integer max of the bits (the order of non-negative
+def _make_quantize_block(spread: list[list[int]]):
+    """An intrinsic ``quantize_block(x, values, b)``: block b of the 1-D float32 row x as int8 (see
+    ``quantize``), its 32 values stored as ``spread`` says (32-byte store k at byte 32 k of the block's
+    32 * len(spread) bytes takes the block's values spread[k]); returns (xs, xs * sum(xq)), NaN for a block
+    with a NaN or an infinity. Its largest |x| is an integer max of the bits (the order of non-negative
     floats, infinities and NaNs above all), so no NaN is lost on the way."""
+    return intrinsic(functools.partial(_quantize_block, spread))
+
+
+def _quantize_block(spread, typingctx, x, patterns, b):
     if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in (x, patterns)):
         raise TypingError("blocks are quantized from and to C-contiguous 1-D arrays")
     sig = types.UniTuple(types.float32, 2)(x, patterns, b)
@@ -93,10 +103,10 @@ def _quantize_block(typingctx, x, patterns, b):
                   for i in (0, 2)]
         packed = builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(i32, 32), list(range(32))))
         at = builder.gep(builder.bitcast(patterns_a.data, i8.as_pointer()),
-                         [builder.mul(block, integer(PATTERN_BYTES * BLOCK))])
-        for k, lanes in enumerate(SPREAD):
-            spread = builder.shuffle_vector(packed, packed, ir.Constant(ir.VectorType(i32, 32), lanes))
-            builder.store(spread, builder.bitcast(builder.gep(at, [integer(32 * k)]), v32i8.as_pointer()), align=1)
+                         [builder.mul(block, integer(32 * len(spread)))])
+        for k, lanes in enumerate(spread):
+            spread_k = builder.shuffle_vector(packed, packed, ir.Constant(ir.VectorType(i32, 32), lanes))
+            builder.store(spread_k, builder.bitcast(builder.gep(at, [integer(32 * k)]), v32i8.as_pointer()), align=1)
         scale = builder.select(finite, builder.fdiv(top, ir.Constant(f32, 127.0)), ir.Constant(f32, float("nan")))
         return context.make_tuple(builder, signature.return_type,
                                   [scale, builder.fmul(scale, builder.sitofp(total, f32))])
@@ -104,16 +114,27 @@ def _quantize_block(typingctx, x, patterns, b):
     return sig, codegen
 
 
+_quantize_spread, _quantize_in_order = _make_quantize_block(SPREAD), _make_quantize_block([list(range(BLOCK))])
+
+
 @njit(cache=True, nogil=True)
-def dequantize(x, scratch):
-    """x as the int8 tiles see it, xs * xq, from what ``quantize`` wrote to scratch for it."""
+def compact_width(n: int) -> int:
+    """float32s per token row of the scratch that ``quantize_compact`` fills, for activations of width n."""
+    return 2 * (n // BLOCK) + n // 4
+
+
+@njit(cache=True, nogil=True)
+def dequantize(x, scratch, compact=False):
+    """x as the int8 tiles see it, xs * xq, from what ``quantize`` (or ``quantize_compact``) wrote to
+    scratch for it."""
     n_blocks = x.shape[1] // BLOCK
     seen = np.empty(x.shape, np.float32)
     for t in range(x.shape[0]):
-        patterns = scratch[t, 2 * n_blocks:].view(np.int8)
+        values = scratch[t, 2 * n_blocks:].view(np.int8)
         for i in range(x.shape[1]):
             b = i // BLOCK
-            seen[t, i] = scratch[t, b] * np.float32(patterns[b * PATTERN_BYTES * BLOCK + _pattern_at(i % BLOCK)])
+            at = b * BLOCK + i % BLOCK if compact else b * PATTERN_BYTES * BLOCK + _pattern_at(i % BLOCK)
+            seen[t, i] = scratch[t, b] * np.float32(values[at])
     return seen
 
 
@@ -126,4 +147,15 @@ def quantize(x: np.ndarray, scratch: np.ndarray) -> None:
     for t in range(x.shape[0]):
         patterns = scratch[t, 2 * n_blocks:].view(np.int8)
         for b in range(n_blocks):
-            scratch[t, b], scratch[t, n_blocks + b] = _quantize_block(x[t], patterns, b)
+            scratch[t, b], scratch[t, n_blocks + b] = _quantize_spread(x[t], patterns, b)
+
+
+@njit(cache=True, nogil=True)
+def quantize_compact(x: np.ndarray, scratch: np.ndarray) -> None:
+    """x's rows as int8 in scratch's rows ([rows, compact_width(width)] or wider): per row, xs per block,
+    xs * sum(xq) per block, then the int8 values in order (the values and rounding of ``quantize``)."""
+    n_blocks = x.shape[1] // BLOCK
+    for t in range(x.shape[0]):
+        values = scratch[t, 2 * n_blocks:].view(np.int8)
+        for b in range(n_blocks):
+            scratch[t, b], scratch[t, n_blocks + b] = _quantize_in_order(x[t], values, b)

@@ -1,14 +1,18 @@
 """Quantized linear layers: GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K and Q5_0 weights, the blocks decoded in
 registers or, for steps of many tokens, sixteen rows at a time into a float32 panel that stays in cache (never
-a dequantized copy of the weights). Activations are float32, except where a step of up to INT8_TOKENS tokens
-(a decode step) meets Q4 weights: there each block of 32 activations is quantized to int8, as llama.cpp's
-Q8_1, and the nibbles multiply the activation bytes in 16-bit integer lanes (a one-token pass then does half
-the vector work per weight byte; SmolLM2's whole step at 8 and 16 sequences is 1.17x and 1.13x faster than
-through float32 panels). Q4_K is read as Q4_1 blocks whose d and m are float32 (``_from_q4_k``: the same
-values, 0.75 bytes each), Q6_K as Q8_0 blocks with a float32 d for each half (``_from_q6_k``, 1.25 bytes
-each), Q5_K as Q8_0 blocks with a float32 d and m (``_from_q5_k``, 1.25 bytes each): on SmolLM2-shaped layers,
-one thread, a decode token 4.7x (Q4_K), 2.6x (Q6_K) and 2.5x (Q5_K) faster than through the float32 copy they
-used to be decoded to. Q5_0 is read as Q8_0 blocks (its 5-bit values as int8, the same d), Q5_1 as Q5_K's.
+a dequantized copy of the weights). Steps of more than INT8_TOKENS tokens (prefill) that meet Q8_0-style
+weights (Q8_0, Q5_0, Q6_K, Q5_K, Q5_1) quantize each block of 32 activations to int8 once per product, as
+llama.cpp quantizes them to Q8_0/Q8_K for its GEMMs, and multiply in integer dot products (GEMM tiles: a
+512-token chunk of Qwen2.5-0.5B shaped layers, one thread, 1.7-1.8x faster than through float32 panels; for
+Q4 weights, 2.8x, but they keep the panels: ``_gemm_step`` says why). Steps of up to INT8_TOKENS tokens
+(decode) take int8 activations where they meet Q4 weights, the nibbles multiplying the activation bytes in
+16-bit integer lanes (a one-token pass then does half the vector work per weight byte; SmolLM2's whole step
+at 8 and 16 sequences is 1.17x and 1.13x faster than through float32 panels), and float32 ones elsewhere.
+Q4_K is read as Q4_1 blocks whose d and m are float32 (``_from_q4_k``: the same values, 0.75 bytes each),
+Q6_K as Q8_0 blocks with a float32 d for each half (``_from_q6_k``, 1.25 bytes each), Q5_K as Q8_0 blocks
+with a float32 d and m (``_from_q5_k``, 1.25 bytes each): on SmolLM2-shaped layers, one thread, a decode
+token 4.7x (Q4_K), 2.6x (Q6_K) and 2.5x (Q5_K) faster than through the float32 copy they used to be decoded
+to. Q5_0 is read as Q8_0 blocks (its 5-bit values as int8, the same d), Q5_1 as Q5_K's.
 The jit device decodes other GGUF types (Q2_K, Q3_K...) exactly to float32 once at load.
 
 Layout. ``prepare`` re-lays a weight once at load into a new array of the same shape and bytes (the K types
@@ -23,25 +27,34 @@ layout for groups of one row) and are dequantized and dotted one at a time.
 
 Arithmetic, in LLVM vector IR emitted through numba ``@intrinsic``s (numba's own loops widen the
 nibbles to int64 and do not vectorize), per tile of row groups x tokens:
-  int8        (Q4, steps of up to INT8_TOKENS) x = xs * xq per block (``quantize_activations``, once per
-              call), t = sum_i q_i * xq_i exactly in 16-bit lanes (pmaddubsw: nibbles times activation
-              bytes, a row's two elements per lane), then acc += d * xs * t + m * s (Q4_1) or
-              d * (xs * t - 8 * s) (Q4_0), s = xs * sum_i xq_i. Tiles of one group x one token (up to
-              ONE_TOKEN_PASSES tokens) or x four tokens.
+  GEMM        (past INT8_TOKENS: Q8_0-style kinds; Q4 ones with row_invariant) x = xs * xq per block
+              (``int8.quantize_compact``, once per product and thread), t = sum_i q_i * xq_i exactly in
+              int32 lanes, four bytes of a row a lane (``_dot4``: vpdpbusd, or pmaddubsw and pmaddwd;
+              signed weights as |q| times xq with q's sign, psignb), then acc += d * xs * t, plus m * s
+              (Q4_1, Q4_K, Q5_K) or - 8 d * s (Q4_0), s = xs * sum_i xq_i. Tiles of GEMM_GROUPS groups x
+              GEMM_TOKENS tokens: each weight vector, gathered once, meets every token's four activation
+              bytes broadcast.
+  int8        (Q4, steps of up to INT8_TOKENS) the same x, from ``int8.quantize``'s layout,
+              t = sum_i q_i * xq_i exactly in 16-bit lanes (pmaddubsw: nibbles times activation
+              bytes, a row's two elements per lane), then the same acc. Tiles of one group x one token
+              (up to ONE_TOKEN_PASSES tokens) or x four tokens.
   one token   (Q8_0) t = sum_i q_i * x_i in float32 (four partial chains), acc += d * t. Q8_0 keeps
-              float32 activations: it is the output layer of Q4 checkpoints, and int8 ones there (tried:
-              1.15x faster at one token) flip near-tied next tokens, SmolLM2's first answer token among them.
+              float32 activations in decode steps: it is the output layer of Q4 checkpoints, and int8 ones
+              there (tried: 1.15x faster at one token) flip near-tied next tokens, SmolLM2's first answer
+              token among them. (Prefill computes the output layer for its sampled rows only: a decode-sized
+              step.)
   4 tokens    (Q8_0 up to PANEL_TOKENS) w_i = d * q_i, then acc_c += w_i * x_ci: each block is decoded
               once for all the tile's tokens.
-  panels      (steps of PANEL_TOKENS or more) a pair of row groups is decoded once, the same w_i, to a
-              float32 panel [n, 16]; 4-token panel tiles then run acc_ck += w_ik * x_ci with 2 x 4
-              accumulators: a weight vector loaded serves four tokens, a broadcast two weight vectors.
+  panels      (Q8_0 from PANEL_TOKENS to INT8_TOKENS tokens, Q4 past it) a pair of row groups is decoded
+              once, the same w_i, to a float32 panel [n, 16]; 4-token panel tiles then run
+              acc_ck += w_ik * x_ci with 2 x 4 accumulators: a weight vector loaded serves four tokens, a
+              broadcast two weight vectors.
 All agree with ``x @ dequantized_W.T`` to float32 summation-order rounding, x being the activations as the
-tile sees them (int8 ones times their scales, or float32). Where the host has AVX2, F16C and FMA, LLVM
-lowers the f16 scales to vcvtph2ps and the int8 products to pmaddubsw; elsewhere (or with
-``LSE_JIT_PORTABLE=1``) they are integer vector ops any LLVM target lowers, and the results are the same
-bit for bit. numba's cache is keyed by the host CPU but not by LSE_JIT_PORTABLE: use a
-fresh NUMBA_CACHE_DIR when switching it.
+tile sees them (int8 ones times their scales, or float32). The instruction set is vector.ISA, chosen from the
+host's features (``vector.select_isa``, ``LSE_JIT_ISA``): the integer dot products are exact on every one, so
+the results are the same bit for bit. Where the host has AVX2, F16C and FMA, LLVM lowers the f16 scales to
+vcvtph2ps and the int8 products to pmaddubsw and pmaddwd, or vpdpbusd where it has AVX-512 VNNI or AVX-VNNI;
+with ``LSE_JIT_ISA=portable`` (or on other targets) they are integer vector ops any LLVM target lowers.
 
 Drivers: a product splits into work items, each a range of row groups that every token tile passes over
 (the range's weights stay in cache while the tiles pass); the tiles prefetch the weight stream ahead.
@@ -51,17 +64,16 @@ groups), ``linear`` all of them.
 Row-invariant (--deterministic): which tile a row meets depends on the step's row count, and the int8 tiles,
 the float32 register tiles of one token and of four, and the panels each round differently. With
 ``row_invariant`` every step takes the path of a one-token step, int8 tiles for Q4 (a row's result is the
-same in a tile of one token or four) and one-token register tiles for the others, so a row's bits do not
-depend on the other rows. The measured cost is small (benchmarks/deterministic.py).
+same in a tile of one token or four, and in a GEMM tile, which they take past INT8_TOKENS) and one-token
+register tiles for the others, so a row's bits do not depend on the other rows. The measured cost is small
+(benchmarks/deterministic.py).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
 
-import llvmlite.binding as llvm
 import numpy as np
 from gguf import quants as gguf_quants
 from llvmlite import ir
@@ -73,7 +85,9 @@ from numba.extending import intrinsic
 from . import int8
 from .int8 import BLOCK
 from .vector import (
+    AVX2,
     LANES,
+    VNNI,
     clamp,
     f32,
     fma,
@@ -95,9 +109,6 @@ from .vector import (
     v32i8,
     vector,
 )
-
-_features = llvm.get_host_cpu_features()
-AVX2 = all(_features.get(f) for f in ("avx2", "f16c", "fma")) and os.environ.get("LSE_JIT_PORTABLE") != "1"
 
 Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K = 0, 1, 2, 3, 4, 5
 KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K, "Q5_K": Q5_K,
@@ -147,8 +158,6 @@ def _quants(builder: ir.IRBuilder, kind: int, quants: ir.Value) -> Iterator[tupl
         byte = builder.zext(load(builder, quants, GROUP * j, v8i8), v8i32)
         yield j, builder.sitofp(builder.and_(byte, vector(15, v8i32)), v8f32)
         yield j + BLOCK // 2, builder.sitofp(builder.lshr(byte, vector(4, v8i32)), v8f32)
-
-
 
 
 
@@ -340,10 +349,153 @@ def _q4_dots(builder: ir.IRBuilder, quants: ir.Value, patterns: list[ir.Value]) 
     return [_row_sums(builder, dot) for dot in dots]
 
 
+# A 32-byte load of a group block's quants holds bytes j .. j + 3 of its eight rows ([j][row]); this shuffle
+# gathers each row's four bytes ([row][j .. j + 3]), so that a 32-bit lane is one row's, as the products'
+# sums of four are.
+ROWS_GATHERED = ir.Constant(ir.VectorType(i32, 32), [8 * e + r for r in range(LANES) for e in range(4)])
+
+
+def _dot4(builder: ir.IRBuilder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
+    """<8 x i32>: acc + each 32-bit lane's four products of unsigned bytes and signed bytes (<32 x i8>),
+    exactly: vpdpbusd on VNNI; pmaddubsw (pair sums at most 2 * 128 * 127: no saturation for the weights
+    here) then pmaddwd by ones on AVX2; widened integer ops elsewhere."""
+    if VNNI:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i32, [v8i32] * 3),
+                                            "llvm.x86.avx512.vpdpbusd.256")
+        return builder.call(fn, [acc, builder.bitcast(unsigned, v8i32), builder.bitcast(signed, v8i32)])
+    pairs = _pair_products(builder, unsigned, signed)
+    if AVX2:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i32, [v16i16, v16i16]),
+                                            "llvm.x86.avx2.pmadd.wd")
+        return builder.add(acc, builder.call(fn, [pairs, vector(1, v16i16)]))
+    wide = builder.sext(pairs, ir.VectorType(i32, 16))
+    even, odd = (builder.shuffle_vector(wide, wide, ir.Constant(v8i32, list(range(e, 16, 2)))) for e in (0, 1))
+    return builder.add(acc, builder.add(even, odd))
+
+
+def _sign_of(builder: ir.IRBuilder, x: ir.Value, w: ir.Value) -> ir.Value:
+    """x with w's sign, byte by byte (x, -x or 0 where w > 0, < 0, = 0): psignb. With |w| it makes the
+    unsigned-times-signed products w * x for signed weights, as llama.cpp's q8_0 dot products do."""
+    if AVX2:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32i8, [v32i8, v32i8]),
+                                            "llvm.x86.avx2.psign.b")
+        return builder.call(fn, [x, w])
+    zero = ir.Constant(v32i8, None)
+    signed = builder.select(builder.icmp_signed("<", w, zero), builder.neg(x), x)
+    return builder.select(builder.icmp_signed("==", w, zero), zero, signed)
+
+
+def _magnitude(builder: ir.IRBuilder, w: ir.Value) -> ir.Value:
+    """|w| byte by byte, as unsigned bytes (|-128| = 128)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32i8, [v32i8, ir.IntType(1)]),
+                                        "llvm.abs.v32i8")
+    return builder.call(fn, [w, ir.Constant(ir.IntType(1), 0)])
+
+
+def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int):
+    """An intrinsic ``tile(w, g, g_last, scratch, t, t_last, out)`` for any kind: out[t + c, rows of groups
+    g + k], c < n_tokens, k < n_groups (indices past t_last and g_last clamped to them, as the other
+    tiles'), from int8 activations in ``int8.quantize_compact``'s layout. Per block and row, the dot
+    products of the block's (or, Q6_K, each half's) int8 weights or nibbles with the activation bytes
+    are exact in int32 lanes (``_dot4``, four bytes of a row a lane: each weight vector, gathered once,
+    meets every token's four activation bytes broadcast), then acc += d xs dot, plus the offset term
+    m xs sum(xq) (Q4_1, Q4_K, Q5_K) or -8 d xs sum(xq) (Q4_0) as in the Q4 int8 tiles. Signed weights
+    (Q8_0, Q6_K) multiply as |w| times x with w's sign."""
+    block_bytes, header_bytes, field = LAYOUT[kind]
+    group_block, second = GROUP * block_bytes, GROUP * field
+    nibbles, signed = kind in (Q4_0, Q4_1, Q4_K), kind in (Q8_0, Q6_K)
+    loads = BLOCK // 2 // 4 if nibbles else BLOCK // 4   # 32-byte loads of a group block's quants
+    spans = 2 if kind == Q6_K else 1   # Q6_K: a d for each half block (loads 0-3, 4-7)
+
+    @intrinsic
+    def tile(typingctx, w, g, g_last, scratch, t, t_last, out):
+        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, scratch, out)):
+            raise TypingError("quantized tiles take C-contiguous 2-D arrays")
+        sig = types.void(w, g, g_last, scratch, t, t_last, out)
+
+        def codegen(context, builder, signature, args):
+            w_a, scratch_a, out_a = (context.make_array(signature.args[i])(context, builder, args[i])
+                                     for i in (0, 3, 6))
+            group, last_group, first_token, last_token = (context.cast(builder, args[i], signature.args[i],
+                                                                       types.intp) for i in (1, 2, 4, 5))
+            tokens = [clamp(builder, builder.add(first_token, integer(c)), last_token) for c in range(n_tokens)]
+            group_rows = [builder.mul(clamp(builder, builder.add(group, integer(k)), last_group), integer(GROUP))
+                          for k in range(n_groups)]
+            weights = [row_pointer(builder, w_a, row, i8) for row in group_rows]
+            n_blocks = builder.udiv(builder.extract_value(w_a.shape, 1), integer(block_bytes))
+            scales = [row_pointer(builder, scratch_a, c, f32) for c in tokens]  # a row: int8.quantize_compact
+            sums = [builder.gep(row, [n_blocks]) for row in scales]
+            values = [builder.bitcast(builder.gep(row, [n_blocks]), i8.as_pointer()) for row in sums]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(v8f32, None)) for _ in tokens] for _ in weights]
+            with cgutils.for_range(builder, n_blocks) as loop:
+                b = loop.index
+                blocks = [builder.gep(w_k, [builder.mul(b, integer(group_block))]) for w_k in weights]
+                for block in blocks:
+                    _prefetch_ahead(builder, block, group_block)
+                x_blocks = [builder.gep(v, [builder.mul(b, integer(BLOCK))]) for v in values]
+                x_scales = [splat(builder, builder.load(builder.gep(r, [b]))) for r in scales]
+                x_sums = [splat(builder, builder.load(builder.gep(r, [b]))) for r in sums]
+
+                def x_bytes(c: int, first: int) -> ir.Value:
+                    """Token c's activations first .. first + 3 of the block in every 32-bit lane."""
+                    four = builder.load(builder.bitcast(builder.gep(x_blocks[c], [integer(first)]), i32.as_pointer()),
+                                        align=1)
+                    return builder.bitcast(_splat_i32(builder, four), v32i8)
+
+                for span in range(spans):
+                    dots = [[ir.Constant(v8i32, None)] * n_tokens for _ in weights]
+                    for p in range(span * loads // spans, (span + 1) * loads // spans):
+                        operands = []   # per weight group: (unsigned bytes, signed bytes' sign or None, element)
+                        for block in blocks:
+                            raw = builder.shuffle_vector(load(builder, block, GROUP * header_bytes + 32 * p, v32i8),
+                                                         ir.Constant(v32i8, None), ROWS_GATHERED)
+                            if nibbles:
+                                operands.append([(builder.and_(raw, vector(15, v32i8)), None, 4 * p),
+                                                 (builder.lshr(raw, vector(4, v32i8)), None, BLOCK // 2 + 4 * p)])
+                            else:
+                                operands.append([(_magnitude(builder, raw) if signed else raw,
+                                                  raw if signed else None, 4 * p)])
+                        for c in range(n_tokens):
+                            for part in range(len(operands[0])):
+                                x = x_bytes(c, operands[0][part][2])
+                                for k, group_operands in enumerate(operands):
+                                    unsigned, sign, _ = group_operands[part]
+                                    dots[k][c] = _dot4(builder, dots[k][c], unsigned,
+                                                       x if sign is None else _sign_of(builder, x, sign))
+                    for k, block in enumerate(blocks):
+                        d = _scales(builder, builder.gep(block, [integer(second * span)]), kind)
+                        m = (_scales(builder, builder.gep(block, [integer(second)]), kind)
+                             if kind in (Q4_1, Q4_K, Q5_K) else None)
+                        for c in range(n_tokens):
+                            dot, acc = builder.sitofp(dots[k][c], v8f32), builder.load(accs[k][c])
+                            if m is not None:  # acc += d xs dot + m xs sum(xq)
+                                acc = fma(builder, builder.fmul(d, x_scales[c]), dot, fma(builder, m, x_sums[c], acc))
+                            elif kind == Q4_0:  # acc += d (xs dot - 8 xs sum(xq))
+                                acc = fma(builder, d, fma(builder, x_scales[c], dot,
+                                                          builder.fmul(x_sums[c], vector(-8.0))), acc)
+                            else:  # acc += d xs dot
+                                acc = fma(builder, builder.fmul(d, x_scales[c]), dot, acc)
+                            builder.store(acc, accs[k][c])
+            for k, row in enumerate(group_rows):
+                for c, token in enumerate(tokens):
+                    store(builder, out_a, token, row, builder.load(accs[k][c]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+def _splat_i32(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    """An i32 in all eight lanes."""
+    one = builder.insert_element(ir.Constant(v8i32, None), value, ir.Constant(i32, 0))
+    return builder.shuffle_vector(one, one, ir.Constant(v8i32, None))
+
+
 def _make_unpack(kind: int, n_groups: int):
     """An intrinsic ``unpack(w, g, g_last, panel)``: row groups g + k, k < n_groups (clamped to g_last),
     decoded to float32, panel[i, 8 k + r] = W[8 (g + k) + r, i], each w = d q + m (Q4_0: m = -8 d; Q8_0:
-    none)."""
+    none; Q6_K: the second half's d)."""
     block_bytes, header_bytes, field = LAYOUT[kind]
     group_block, mins = GROUP * block_bytes, GROUP * field
 
@@ -436,6 +588,13 @@ _q4_0_int8_1, _q4_1_int8_1, _q4_k_int8_1, _q4_0_int8_4, _q4_1_int8_4, _q4_k_int8
 _q8_0_1, _q8_0_4 = _make_q8_0_tile(1, 4), _make_q8_0_tile(4, 2)
 _q6_k_1, _q6_k_4 = _make_q8_0_tile(1, 4, Q6_K), _make_q8_0_tile(4, 2, Q6_K)
 _q5_k_1, _q5_k_4 = _make_q8_0_tile(1, 4, Q5_K), _make_q8_0_tile(4, 2, Q5_K)
+# GEMM tiles (int8 activations, steps past INT8_TOKENS): groups x tokens. One thread on Zen 4 (AVX-512 VNNI),
+# 256 rows x 896 x 256 tokens, GMAC/s of CPU time, Q8_0 / Q4_0: 1 x 4 65 / 119, 2 x 2 55 / 102, 2 x 3 80 / 119,
+# 2 x 4 74 / 101, 1 x 8 63 / 127, 4 x 2 75 / 95. 2 x 3 keeps 6 float and 6 int32 accumulators, two weight
+# vectors and a broadcast within AVX2's 16 registers.
+GEMM_GROUPS, GEMM_TOKENS = 2, 3
+_q4_0_gemm, _q4_1_gemm, _q8_0_gemm, _q4_k_gemm, _q6_k_gemm, _q5_k_gemm = (
+    _make_gemm_tile(kind, GEMM_GROUPS, GEMM_TOKENS) for kind in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K))
 PANEL_GROUPS = 2  # row groups a panel holds (three measured no faster, and items hold pairs of groups)
 _q4_0_unpack, _q4_1_unpack, _q8_0_unpack, _q4_k_unpack, _q6_k_unpack, _q5_k_unpack = (
     _make_unpack(kind, PANEL_GROUPS) for kind in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K))
@@ -443,11 +602,11 @@ _q4_0_unpack, _q4_1_unpack, _q8_0_unpack, _q4_k_unpack, _q6_k_unpack, _q5_k_unpa
 # (A register tile of 8 tokens in one group, one accumulator each, ran at half their rate: a broadcast per
 # FMA, and no slack over the FMA latency.)
 _panel_tile = _make_panel_tile(PANEL_GROUPS, 4)
-# Tokens per step for each path: Q4 weights take int8 tiles up to INT8_TOKENS (a decode step of up to 16
-# sequences) and panels past it; Q8_0 weights take float32 register tiles below PANEL_TOKENS and panels
-# from it. Up to ONE_TOKEN_PASSES, the register tiles are one-token passes over the weights. Measured on
-# SmolLM2's layers, 2 threads: float32 panels against register tiles were slower at 3 and 4 tokens, even
-# at 8, 1.15x at 16 and 1.6x at 512.
+# Tokens per step for each path: past INT8_TOKENS (prefill) Q8_0 weights take the GEMM tiles and Q4 ones
+# panels; up to it (a decode step of up to 16 sequences) Q4 weights take int8 tiles, Q8_0 weights float32
+# register tiles below PANEL_TOKENS and panels from it. Up to ONE_TOKEN_PASSES, the register tiles are one-token passes
+# over the weights. Measured on SmolLM2's layers, 2 threads: float32 panels against register tiles were
+# slower at 3 and 4 tokens, even at 8, 1.15x at 16 and 1.6x at 512.
 ONE_TOKEN_PASSES, PANEL_TOKENS, INT8_TOKENS = 2, 8, 16
 
 
@@ -471,18 +630,35 @@ def _int8_tile(kind, tokens, w, g, g_last, x, scratch, t, out):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _gemm_tile(kind, w, g, g_last, scratch, t, t_last, out):
+    """The GEMM tile of this weight type."""
+    if kind == Q4_1:
+        _q4_1_gemm(w, g, g_last, scratch, t, t_last, out)
+    elif kind == Q4_K:
+        _q4_k_gemm(w, g, g_last, scratch, t, t_last, out)
+    elif kind == Q6_K:
+        _q6_k_gemm(w, g, g_last, scratch, t, t_last, out)
+    elif kind == Q5_K:
+        _q5_k_gemm(w, g, g_last, scratch, t, t_last, out)
+    elif kind == Q4_0:
+        _q4_0_gemm(w, g, g_last, scratch, t, t_last, out)
+    else:
+        _q8_0_gemm(w, g, g_last, scratch, t, t_last, out)
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _unpack(kind, w, g, g_last, panel):
     """The PANEL_GROUPS row groups from g of this weight type decoded to the panel."""
     if kind == Q4_1:
         _q4_1_unpack(w, g, g_last, panel)
     elif kind == Q4_K:
         _q4_k_unpack(w, g, g_last, panel)
+    elif kind == Q4_0:
+        _q4_0_unpack(w, g, g_last, panel)
     elif kind == Q6_K:
         _q6_k_unpack(w, g, g_last, panel)
     elif kind == Q5_K:
         _q5_k_unpack(w, g, g_last, panel)
-    elif kind == Q4_0:
-        _q4_0_unpack(w, g, g_last, panel)
     else:
         _q8_0_unpack(w, g, g_last, panel)
 
@@ -490,37 +666,57 @@ def _unpack(kind, w, g, g_last, panel):
 @njit(cache=True, nogil=True, inline="always")
 def _int8_kind(kind):
     """Q4 weights meet int8 activations in steps of up to INT8_TOKENS tokens; Q8_0, Q6_K and Q5_K keep
-    float32 (they hold output layers: see the module doc)."""
+    float32 there (they hold output layers: see the module doc)."""
     return kind == Q4_0 or kind == Q4_1 or kind == Q4_K
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _gemm_step(kind, n_tokens, row_invariant):
+    """Whether x of n_tokens rows meets this weight in the GEMM tiles (int8 activations): past INT8_TOKENS,
+    Q8_0-style weights (Q8_0, Q5_0, Q6_K, Q5_K, Q5_1), and Q4 ones where every row must be computed as a
+    one-row step computes it (a GEMM tile's row has the bits of the one-token int8 tile's: the same integer
+    dot products, then the same float operations). Q4 prefill otherwise keeps float32 panels: int8
+    activations there turn the default model's answer to README's question (a first token 0.08 logits from
+    a tie) from 'The capital of France is Paris.' to "L'Étoile, la Mar"."""
+    return n_tokens > INT8_TOKENS and _int8_kind(kind) == row_invariant
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _int8_step(kind, n_tokens, row_invariant):
-    """Whether x of n_tokens rows meets this weight as int8: Q4 in steps of up to INT8_TOKENS, or of any
-    size when every row must be computed alike (an int8 tile's row is the same whatever its tile holds)."""
+    """Whether x of n_tokens rows meets this weight in the Q4 int8 tiles: Q4 in steps of up to INT8_TOKENS,
+    or of any size when every row must be computed alike (an int8 tile's row is the same whatever its tile
+    holds)."""
     return _int8_kind(kind) and (n_tokens <= INT8_TOKENS or row_invariant)
 
 
 @njit(cache=True, nogil=True)
 def _groups(kind, w, x, out, g0, g1, scratch, row_invariant=False):
     """Row groups g0 .. g1 - 1 against every token (see INT8_TOKENS):
-    - Q4 int8 tiles, on the activations in scratch (``quantize_activations``), of one token each up to
-      ONE_TOKEN_PASSES tokens, else of four, a group meeting the token tiles of INT8_TOKENS tokens at a
-      time while its weights are in L1;
+    - GEMM tiles of GEMM_GROUPS groups x GEMM_TOKENS tokens past INT8_TOKENS tokens (``_gemm_step``), on
+      the activations in scratch (``quantize_activations``), each pair of groups meeting every token tile
+      while its weights are in cache;
+    - Q4 int8 tiles, on the activations in scratch, of one token each up to ONE_TOKEN_PASSES tokens, else
+      of four, a group meeting the token tiles of INT8_TOKENS tokens at a time while its weights are in L1;
     - Q8_0 (and Q6_K, Q5_K) register tiles of one token or four, token tiles outer, so that the groups'
       weights stay in cache while the tiles pass;
     - or each pair of groups decoded once to a float32 panel (16 rows x n, in cache) that 4-token panel
-      tiles multiply.
+      tiles multiply: Q8_0's from PANEL_TOKENS to INT8_TOKENS tokens, Q4's past INT8_TOKENS.
     Tiles past the last token are clamped to it. ``row_invariant``: every row as a one-token step computes
-    it (int8 tiles for Q4 and one-token register tiles for the others, at any step size), so a row's
-    result does not depend on the step's other rows."""
+    it (int8 tiles for Q4, GEMM ones past INT8_TOKENS, and one-token register tiles for the others, at any
+    step size), so a row's result does not depend on the step's other rows."""
     n_tokens = x.shape[0]
-    if _int8_step(kind, n_tokens, row_invariant):
+    if _gemm_step(kind, n_tokens, row_invariant):
+        rows = _scratch_rows(kind, scratch, x, row_invariant)
+        for g in range(g0, g1, GEMM_GROUPS):
+            for t in range(0, n_tokens, GEMM_TOKENS):
+                _gemm_tile(kind, w, g, g1 - 1, rows, t, n_tokens - 1, out)
+    elif _int8_step(kind, n_tokens, row_invariant):
+        rows = _scratch_rows(kind, scratch, x, row_invariant)
         tokens = 1 if n_tokens <= ONE_TOKEN_PASSES else 4
         for t0 in range(0, n_tokens, INT8_TOKENS):
             for g in range(g0, g1):
                 for t in range(t0, min(n_tokens, t0 + INT8_TOKENS), tokens):
-                    _int8_tile(kind, tokens, w, g, g1 - 1, x, scratch, t, out)
+                    _int8_tile(kind, tokens, w, g, g1 - 1, x, rows, t, out)
     elif not _int8_kind(kind) and (n_tokens < PANEL_TOKENS or row_invariant):
         tokens = 1 if n_tokens <= ONE_TOKEN_PASSES or row_invariant else 4
         for t in range(0, n_tokens, tokens):
@@ -547,18 +743,32 @@ def _groups(kind, w, x, out, g0, g1, scratch, row_invariant=False):
 
 @njit(cache=True, nogil=True)
 def activation_scratch(n_tokens: int, width: int, row_invariant: bool = False) -> np.ndarray:
-    """Scratch for ``quantize_activations`` of up to n_tokens rows of up to ``width`` activations (a
-    thread's own: each thread quantizes what it multiplies)."""
+    """A thread's scratch (each thread quantizes what it multiplies) for ``quantize_activations`` of any
+    step's products, x of up to n_tokens rows of up to ``width`` activations: flat, as big as the larger
+    of the layouts they may take (``_scratch_rows``)."""
     rows = n_tokens if row_invariant else min(INT8_TOKENS, n_tokens)
-    return np.empty((rows, int8.activation_width(width)), np.float32)
+    return np.empty(max(rows * int8.activation_width(width), n_tokens * int8.compact_width(width)), np.float32)
+
+
+@njit(cache=True, nogil=True)
+def _scratch_rows(kind, scratch, x, row_invariant):
+    """The rows of ``scratch`` that x's int8 activations take, where x meets this weight as int8: the GEMM
+    tiles' compact layout, or the Q4 tiles'."""
+    n_tokens, width = x.shape
+    compact = _gemm_step(kind, n_tokens, row_invariant)
+    per_row = int8.compact_width(width) if compact else int8.activation_width(width)
+    return scratch[:n_tokens * per_row].reshape(n_tokens, per_row)
 
 
 @njit(cache=True, nogil=True)
 def quantize_activations(kind: int, x: np.ndarray, scratch: np.ndarray, row_invariant: bool = False) -> None:
-    """What the Q4 int8 tiles read: x (of up to INT8_TOKENS rows, or any number ``row_invariant``) as int8
-    in scratch (``activation_scratch``; ``int8.quantize``). Other kinds and steps: nothing."""
-    if _int8_step(kind, x.shape[0], row_invariant):
-        int8.quantize(x, scratch)
+    """What the int8 tiles read: x as int8 in scratch (``activation_scratch``): for the GEMM tiles
+    (``int8.quantize_compact``), or for the Q4 tiles, steps of up to INT8_TOKENS rows or of any number
+    ``row_invariant`` (``int8.quantize``). Other kinds and steps: nothing."""
+    if _gemm_step(kind, x.shape[0], row_invariant):
+        int8.quantize_compact(x, _scratch_rows(kind, scratch, x, row_invariant))
+    elif _int8_step(kind, x.shape[0], row_invariant):
+        int8.quantize(x, _scratch_rows(kind, scratch, x, row_invariant))
 
 
 # Work items: a product splits into items of about ITEM_WORK block-rows x tokens (~5 us here, where
@@ -594,8 +804,9 @@ def linear_pairs(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, 
     _groups(kind, blocks, x, out, g0, g1, scratch, row_invariant)
     if p1 < linear_items_most(n_rows) or n_rows % GROUP == 0:
         return g0 * GROUP, g1 * GROUP
-    if _int8_step(kind, x.shape[0], row_invariant):  # these rows see what the tiles saw
-        x = int8.dequantize(x, scratch)
+    compact = _gemm_step(kind, x.shape[0], row_invariant)
+    if compact or _int8_step(kind, x.shape[0], row_invariant):  # as the tiles saw x
+        x = int8.dequantize(x, _scratch_rows(kind, scratch, x, row_invariant), compact)
     weights = np.empty(x.shape[1], np.float32)
     for row in range(full_groups * GROUP, n_rows):
         _dequantize_row(kind, blocks, row, weights)

@@ -1,10 +1,20 @@
 """LLVM vector IR for the jit device's ``@intrinsic`` kernels (quant.py, attention.py): numba's own loops
 vectorize badly where a kernel needs registers it controls (nibble unpacking, accumulators kept across a
 loop, dot products reduced eight at a time), so those kernels emit <8 x float> IR through these helpers.
-Loads and stores are unaligned: numba arrays promise no alignment."""
+Loads and stores are unaligned: numba arrays promise no alignment.
+
+The instruction set the kernels are written for (``ISA``) is chosen once, at import, from the host CPU's
+features as LLVM reports them (``select_isa``): AVX-512 VNNI or AVX-VNNI (vpdpbusd), AVX2 (pmaddubsw and
+pmaddwd, vcvtph2ps) or portable integer vector IR any LLVM target lowers. ``LSE_JIT_ISA`` asks for one of
+them (one the host has: a VNNI instruction on a CPU without it would not even compile). numba's cache is keyed
+by the host CPU, not by LSE_JIT_ISA: use a fresh NUMBA_CACHE_DIR when setting it."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
+import llvmlite.binding as llvm
 from llvmlite import ir
 from numba.core import cgutils
 
@@ -14,6 +24,34 @@ i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64
 f16, f32 = ir.HalfType(), ir.FloatType()
 v8i8, v8i16, v8i32, v8f16, v8f32 = (ir.VectorType(t, LANES) for t in (i8, i16, i32, f16, f32))
 v32i8 = ir.VectorType(i8, 4 * LANES)  # a 256-bit register of bytes
+
+
+# best first; each with the features LLVM must report for it (the VNNI ones run the AVX2 code around vpdpbusd;
+# AVX-512 VNNI's 256-bit form needs AVX512VL)
+ISA_FEATURES = {
+    "avx512vnni": ("avx512vnni", "avx512vl", "avx2", "f16c", "fma"),
+    "avxvnni": ("avxvnni", "avx2", "f16c", "fma"),
+    "avx2": ("avx2", "f16c", "fma"),
+    "portable": (),
+}
+
+
+def select_isa(features: Mapping[str, bool], requested: str | None = None) -> str:
+    """The best instruction set of ISA_FEATURES that ``features`` (LLVM's host feature map) has, or
+    ``requested`` (a name in ISA_FEATURES, or None or '') where the host has it."""
+    usable = [isa for isa, needs in ISA_FEATURES.items() if all(features.get(f) for f in needs)]
+    if not requested:
+        return usable[0]
+    if requested not in ISA_FEATURES:
+        raise ValueError(f"LSE_JIT_ISA={requested!r}: not one of {', '.join(ISA_FEATURES)}")
+    if requested not in usable:
+        raise ValueError(f"LSE_JIT_ISA={requested!r}: this CPU lacks it (it has {', '.join(usable)})")
+    return requested
+
+
+ISA = select_isa(llvm.get_host_cpu_features(), os.environ.get("LSE_JIT_ISA"))
+VNNI = ISA in ("avx512vnni", "avxvnni")
+AVX2 = ISA != "portable"   # every ISA but the portable one has AVX2, F16C and FMA
 
 
 def integer(value: int) -> ir.Constant:
