@@ -13,6 +13,7 @@ from pydantic.json_schema import models_json_schema
 from lse_core.adapters.anthropic import CountTokensRequest, MessagesRequest
 from lse_core.adapters.common import TOKEN_ID_MARK, WIDTH_MARK
 from lse_core.adapters.responses import ResponsesRequest
+from lse_core.config import KV_CACHE_TYPES
 from lse_core.embeddings import EmbeddingsRequest
 
 
@@ -237,7 +238,7 @@ SCHEMAS: dict[str, Any] = {
         "plan": obj(["groups", "cpu_fallback_groups"], {"groups": COUNT, "cpu_fallback_groups": {
             "type": "array", "items": STRING}}),
         "served": ref("Model")}),
-    "Status": obj(["object", "model", "context_length", "devices", "placements", "engine", "stats"], {
+    "Status": obj(["object", "model", "context_length", "devices", "placements", "kv_cache", "engine", "stats"], {
         "object": {"const": "lse.status"}, "model": STRING, "context_length": COUNT,
         "devices": {"type": "array", "items": ref("Device")},
         "placements": {"type": "array", "items": obj(["group", "layer", "ops", "device", "cpu_fallback"], {
@@ -245,6 +246,12 @@ SCHEMAS: dict[str, Any] = {
             "device": nullable(STRING), "cpu_fallback": nullable(STRING)},
             description="each fused group of the plan and the device that runs it (null: refused)")},
         "declined": {"type": "array", "items": STRING}, "startup_warnings": {"type": "array", "items": STRING},
+        "kv_cache": obj(["type_k", "type_v", "devices"], {
+            "type_k": ref("KVCacheType"), "type_v": ref("KVCacheType"),
+            "devices": {"type": "array", "items": obj(["name", "type_k", "type_v"], {
+                "name": STRING, "type_k": ref("KVCacheType"), "type_v": ref("KVCacheType")})}},
+            description="the KV cache types asked for (--cache-type-k/-v), and what each device holding a cache "
+                        "stores: f32 where it lacks the default f16 (a startup warning says so)"),
         "engine": obj(["steps", "running", "waiting", "paused", "slots", "free_slots", "cpu_fallback"], {
             "steps": COUNT, "running": COUNT, "waiting": COUNT, "paused": COUNT, "slots": COUNT, "free_slots": COUNT,
             "cpu_fallback": ref("CPUFallback")}),
@@ -253,6 +260,7 @@ SCHEMAS: dict[str, Any] = {
             "requests": {"type": "array", "items": obj(["endpoint", "outcome", "count"], {
                 "endpoint": STRING, "outcome": STRING, "count": COUNT})},
             "prompt_tokens": COUNT, "cached_tokens": COUNT, "completion_tokens": COUNT})}),
+    "KVCacheType": {"enum": list(KV_CACHE_TYPES)},
     "CPUFallback": obj(["allowed", "total", "events"], {
         "allowed": BOOLEAN, "total": COUNT,
         "events": {"type": "array", "items": obj(["cause", "count"], {"cause": STRING, "count": COUNT})}}),
