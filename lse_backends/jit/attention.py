@@ -37,6 +37,7 @@ from .vector import (
     f32,
     fma,
     i8,
+    i32,
     integer,
     lane_sums,
     load_floats,
@@ -45,11 +46,13 @@ from .vector import (
     store_floats,
     v8f32,
     v8i8,
+    vector,
 )
 
 KV_F32, KV_F16, KV_Q8_0 = 0, 1, 2
 KV_KINDS = {"f32": KV_F32, "f16": KV_F16, "q8_0": KV_Q8_0}
 Q8_0_VALUES, Q8_0_BYTES = 32, 34  # a q8_0 block: 32 values, stored as an f16 scale and 32 int8s
+BLOCK_VECTORS = Q8_0_VALUES // LANES
 
 
 def row_bytes(kind: int, head_dim: int) -> int:
@@ -78,11 +81,26 @@ def _load_cached(builder: ir.IRBuilder, row: ir.Value, at: ir.Value, kind: int) 
         return load_floats(builder, builder.bitcast(row, f32.as_pointer()), at)
     if kind == KV_F16:  # eight f16s, as quant widens Q8_0's scales
         return quant._scales(builder, builder.gep(row, [builder.mul(at, integer(2))]), quant.Q8_0)
-    block = builder.gep(row, [builder.mul(builder.udiv(at, integer(Q8_0_VALUES)), integer(Q8_0_BYTES))])
-    scale = builder.extract_element(quant._scales(builder, block, quant.Q8_0), ir.Constant(ir.IntType(32), 0))
-    at_quants = builder.gep(block, [builder.add(integer(2), builder.urem(at, integer(Q8_0_VALUES)))])
-    quants = builder.load(builder.bitcast(at_quants, v8i8.as_pointer()), align=1)
-    return builder.fmul(builder.sitofp(quants, v8f32), splat(builder, scale))
+    block = _q8_0_block(builder, row, builder.udiv(at, integer(Q8_0_VALUES)))
+    values = _q8_0_quants(builder, block, builder.urem(at, integer(Q8_0_VALUES)))
+    return builder.fmul(values, _q8_0_scale(builder, block))
+
+
+def _q8_0_block(builder: ir.IRBuilder, row: ir.Value, index: ir.Value) -> ir.Value:
+    """Byte pointer to q8_0 block ``index`` of a cached row."""
+    return builder.gep(row, [builder.mul(index, integer(Q8_0_BYTES))])
+
+
+def _q8_0_scale(builder: ir.IRBuilder, block: ir.Value) -> ir.Value:
+    """A q8_0 block's scale in every lane (widened with the next seven halves, which are its quants)."""
+    return splat(builder, builder.extract_element(quant._scales(builder, block, quant.Q8_0), ir.Constant(i32, 0)))
+
+
+def _q8_0_quants(builder: ir.IRBuilder, block: ir.Value, at: ir.Value) -> ir.Value:
+    """A q8_0 block's int8 values at .. at + 7, as <8 x float>."""
+    quants = builder.load(builder.bitcast(builder.gep(block, [builder.add(integer(2), at)]), v8i8.as_pointer()),
+                          align=1)
+    return builder.sitofp(quants, v8f32)
 
 
 def _make_key_scores(kind: int):
@@ -104,13 +122,25 @@ def _make_key_scores(kind: int):
             key_rows = [row_pointer(builder, keys_a, clamp(builder, builder.add(builder.add(first_i, j_i), integer(i)),
                                                            last_i), i8) for i in range(LANES)]
             sums = [cgutils.alloca_once_value(builder, ir.Constant(v8f32, None)) for _ in range(LANES)]
-            n_vectors = builder.udiv(builder.extract_value(q_a.shape, 1), integer(LANES))
-            with cgutils.for_range(builder, n_vectors) as loop:
-                at = builder.mul(loop.index, integer(LANES))
-                q_vector = load_floats(builder, query, at)
-                for key, total in zip(key_rows, sums):
-                    key_vector = _load_cached(builder, key, at, kind)
-                    builder.store(fma(builder, q_vector, key_vector, builder.load(total)), total)
+            head_dim = builder.extract_value(q_a.shape, 1)
+            if kind == KV_Q8_0:  # a block at a time: each key's scale multiplies its block's partial sums once
+                with cgutils.for_range(builder, builder.udiv(head_dim, integer(Q8_0_VALUES))) as loop:
+                    at = [builder.add(builder.mul(loop.index, integer(Q8_0_VALUES)), integer(LANES * v))
+                          for v in range(BLOCK_VECTORS)]
+                    q_vectors = [load_floats(builder, query, a) for a in at]
+                    for key, total in zip(key_rows, sums):
+                        block = _q8_0_block(builder, key, loop.index)
+                        partial = vector(0.0)
+                        for v, q_vector in enumerate(q_vectors):
+                            partial = fma(builder, q_vector, _q8_0_quants(builder, block, integer(LANES * v)), partial)
+                        builder.store(fma(builder, partial, _q8_0_scale(builder, block), builder.load(total)), total)
+            else:
+                with cgutils.for_range(builder, builder.udiv(head_dim, integer(LANES))) as loop:
+                    at = builder.mul(loop.index, integer(LANES))
+                    q_vector = load_floats(builder, query, at)
+                    for key, total in zip(key_rows, sums):
+                        key_vector = _load_cached(builder, key, at, kind)
+                        builder.store(fma(builder, q_vector, key_vector, builder.load(total)), total)
             scores_row = row_pointer(builder, scores_a, head_i, f32)
             store_floats(builder, lane_sums(builder, [builder.load(total) for total in sums]), scores_row, j_i)
             return context.get_dummy_value()
@@ -142,9 +172,19 @@ def _make_weighted_values(n_vectors: int, kind: int):
             with cgutils.for_range(builder, builder.sub(j1_i, j0_i)) as loop:
                 weight = splat(builder, builder.load(builder.gep(weight_row, [loop.index])))
                 value_row = row_pointer(builder, values_a, builder.add(builder.add(first_i, j0_i), loop.index), i8)
-                for k, total in enumerate(sums):
-                    value = _load_cached(builder, value_row, builder.add(column_i, integer(LANES * k)), kind)
-                    builder.store(fma(builder, weight, value, builder.load(total)), total)
+                if kind == KV_Q8_0 and n_vectors % BLOCK_VECTORS == 0:  # whole blocks: the column is a multiple
+                    for b in range(n_vectors // BLOCK_VECTORS):          # of 64; one scale per block and row
+                        index = builder.add(builder.udiv(column_i, integer(Q8_0_VALUES)), integer(b))
+                        block = _q8_0_block(builder, value_row, index)
+                        scaled = builder.fmul(weight, _q8_0_scale(builder, block))
+                        for v in range(BLOCK_VECTORS):
+                            total = sums[b * BLOCK_VECTORS + v]
+                            value = _q8_0_quants(builder, block, integer(LANES * v))
+                            builder.store(fma(builder, scaled, value, builder.load(total)), total)
+                else:
+                    for k, total in enumerate(sums):
+                        value = _load_cached(builder, value_row, builder.add(column_i, integer(LANES * k)), kind)
+                        builder.store(fma(builder, weight, value, builder.load(total)), total)
             for at, total in zip(out_at, sums):
                 store_floats(builder, builder.load(total), out_row, at)
             return context.get_dummy_value()
