@@ -44,6 +44,7 @@ from .vector import (
     row_pointer,
     splat,
     store_floats,
+    v8f16,
     v8f32,
     v8i8,
     vector,
@@ -53,6 +54,7 @@ KV_F32, KV_F16, KV_Q8_0 = 0, 1, 2
 KV_KINDS = {"f32": KV_F32, "f16": KV_F16, "q8_0": KV_Q8_0}
 Q8_0_VALUES, Q8_0_BYTES = 32, 34  # a q8_0 block: 32 values, stored as an f16 scale and 32 int8s
 BLOCK_VECTORS = Q8_0_VALUES // LANES
+VECTOR_HALVES = quant.AVX2  # F16C rounds eight floats to halves at once; elsewhere a scalar loop does
 
 
 def row_bytes(kind: int, head_dim: int) -> int:
@@ -224,6 +226,22 @@ def _half_bits(bits):
     return sign | half
 
 
+@intrinsic
+def _store_halves(typingctx, x, row, d):
+    """row's bytes 2 d .. 2 d + 15 = x[d .. d + 7] as f16, rounded to nearest even (vcvtps2ph)."""
+    sig = types.void(x, row, d)
+
+    def codegen(context, builder, signature, args):
+        x_a, row_a = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1))
+        at = context.cast(builder, args[2], signature.args[2], types.intp)
+        halves = builder.fptrunc(load_floats(builder, x_a.data, at), v8f16)
+        target = builder.gep(builder.bitcast(row_a.data, i8.as_pointer()), [builder.mul(at, integer(2))])
+        builder.store(halves, builder.bitcast(target, v8f16.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(cache=True, nogil=True)
 def _store_row(x, row, kind):
     """Store float32 values x as one cached row of ``kind`` (bytes)."""
@@ -231,7 +249,10 @@ def _store_row(x, row, kind):
         row.view(np.float32)[:] = x
     elif kind == KV_F16:
         halves, bits = row.view(np.uint16), x.view(np.uint32)
-        for d in range(x.shape[0]):
+        vectors = x.shape[0] // LANES * LANES if VECTOR_HALVES else 0
+        for d in range(0, vectors, LANES):
+            _store_halves(x, row, d)
+        for d in range(vectors, x.shape[0]):
             halves[d] = _half_bits(bits[d])
     else:
         scales = np.empty(x.shape[0] // Q8_0_VALUES, np.float32)
