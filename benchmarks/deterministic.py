@@ -68,6 +68,24 @@ def decode_sixteen(lse: LSE, max_tokens: int) -> float:
     return sum(tokens) / (time.perf_counter() - start)
 
 
+def take_turns(engines: dict[str, LSE], n_rounds: int, prefill_tokens: int, max_tokens: int) -> list[dict]:
+    """Each engine warmed up, then ``n_rounds`` rounds in which each in turn measures prefill, decode @1 and
+    @16 (each round's figures by engine); the engines are closed at the end."""
+    try:
+        first = next(iter(engines.values()))
+        text = first.model.tokenizer.encode(PASSAGE * (4 + prefill_tokens // 40), False)
+        offsets = itertools.count()   # each prefill prompt starts at another token: no prefix cache serves it
+        for lse in engines.values():  # warm up: kernels compile, every step size's path runs once
+            prefill(lse, text[next(offsets):][:prefill_tokens])
+            decode_sixteen(lse, 4)
+        return [{name: {"prefill": prefill(lse, text[next(offsets):][:prefill_tokens]),
+                        "decode_1": decode_one(lse, max_tokens), "decode_16": decode_sixteen(lse, max_tokens)}
+                 for name, lse in engines.items()} for _ in range(n_rounds)]
+    finally:
+        for lse in engines.values():
+            lse_close(lse)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-m", "--model", help="a GGUF file or HF directory (default: the default model)")
@@ -80,21 +98,7 @@ def main() -> None:
     config = {"model": args.model, "pool": args.pool, "parallel": len(TOPICS),
               "kv_len": args.prefill_tokens + args.max_tokens + 16, "prefill_chunk": args.prefill_tokens}
     engines = {mode: lse_open_or_raise(config | {"deterministic": mode == "deterministic"}) for mode in MODES}
-    try:
-        text = engines["default"].model.tokenizer.encode(PASSAGE * (4 + args.prefill_tokens // 40), False)
-        offsets = itertools.count()   # each prefill prompt starts at another token: no prefix cache serves it
-        for lse in engines.values():  # warm up: kernels compile, every step size's path runs once
-            prefill(lse, text[next(offsets):][:args.prefill_tokens])
-            decode_sixteen(lse, 4)
-        rounds = []
-        for _ in range(args.rounds):
-            rounds.append({mode: {"prefill": prefill(lse, text[next(offsets):][:args.prefill_tokens]),
-                                  "decode_1": decode_one(lse, args.max_tokens),
-                                  "decode_16": decode_sixteen(lse, args.max_tokens)}
-                           for mode, lse in engines.items()})
-    finally:
-        for lse in engines.values():
-            lse_close(lse)
+    rounds = take_turns(engines, args.rounds, args.prefill_tokens, args.max_tokens)
 
     lse = engines["default"]
     print(f"model {lse.model_id}, pool {[d.info.name for d in lse.devices]}, {args.rounds} rounds, prefill "

@@ -17,7 +17,7 @@ from lse_core import embeddings, protocol, structured
 from lse_core.adapters import anthropic, responses
 from lse_core.adapters.common import CoreDelta, Translation, core_delta, core_end
 from lse_core.adapters.responses import ResponseStore
-from lse_core.config import LSEConfig
+from lse_core.config import KV_CACHE_TYPES, LSEConfig
 from lse_core.devices.hookspec import CompileContext, Device, DeviceInfo
 from lse_core.devices.registry import Registry, discover, open_devices, open_interpreter, resolve_pool
 from lse_core.engine.engine import Engine
@@ -111,7 +111,8 @@ def lse_open_or_raise(config: LSEConfig | dict[str, Any] | None = None) -> LSE:
     if config.deterministic:
         _check_deterministic(devices + ([interpreter] if interpreter else []))
     ctx = CompileContext(kv_slots=config.parallel, kv_len=context_length,
-                         max_tokens=max(config.prefill_chunk, config.parallel), deterministic=config.deterministic)
+                         max_tokens=max(config.prefill_chunk, config.parallel), deterministic=config.deterministic,
+                         **_cache_types(config, graph, devices + ([interpreter] if interpreter else []), warnings))
     # the devices hold the weights as they lay them out: the file's pages go as each group compiles
     plan = Plan.build(graph, devices, ctx, interpreter, not refused, fallback.record, model.release_file_pages)
     _log_plan(plan)
@@ -119,6 +120,32 @@ def lse_open_or_raise(config: LSEConfig | dict[str, Any] | None = None) -> LSE:
     grammars = structured.GrammarTokenizer(model.tokenizer, _logits_width(graph))
     return LSE(config, model, config.model_id or model_id(model.source), template, thinking, defaults,
                context_length, registry, devices, plan, engine, fallback, warnings, grammars)
+
+
+def _cache_types(config: LSEConfig, graph: Graph, devices: list[Device], warnings: list[str]) -> dict[str, str]:
+    """The KV cache types asked for (f16 where not named). A named type must be one every device stores, and
+    q8_0 needs head dims of whole blocks; a device without the default f16 keeps f32, said in ``warnings``."""
+    types = {}
+    for option in ("cache_type_k", "cache_type_v"):
+        named = getattr(config, option)
+        flag = "--" + option.replace("_", "-")
+        if named is not None and named not in KV_CACHE_TYPES:
+            raise StartupError(f"{flag} must be one of {', '.join(KV_CACHE_TYPES)}, got {named!r}")
+        types[option] = named or "f16"
+        lacking = [d for d in devices if types[option] not in d.kv_cache_types]
+        if lacking and named is not None:
+            raise StartupError(f"{flag} {named} is not supported by " + "; ".join(
+                f"the {d.info.backend} backend ({d.info.name} stores {', '.join(d.kv_cache_types)})" for d in lacking))
+        for device in lacking:
+            warnings.append(f"{device.info.name} keeps its KV cache's {option[-1]} in f32: it has no f16 cache "
+                            f"({flag} f32 chooses f32 for every device)")
+            log.warning("lse: %s", warnings[-1])
+    head_dims = {int(n.attrs["head_dim"]) for n in graph.nodes if n.op == "attention"}
+    for option, kind in types.items():
+        if kind == "q8_0" and any(d % 32 for d in head_dims):
+            raise StartupError(f"--{option.replace('_', '-')} q8_0 stores blocks of 32 values, and this model's "
+                               f"head_dim is {', '.join(map(str, sorted(head_dims)))}; choose f16 or f32")
+    return types
 
 
 def _check_deterministic(devices: list[Device]) -> None:
@@ -490,9 +517,20 @@ def lse_status(lse: LSE) -> dict[str, Any]:
         "placements": [_placement_json(p) for p in lse.plan.placements],
         "declined": lse.registry.declined(),
         "startup_warnings": lse.startup_warnings,
+        "kv_cache": _kv_cache_json(lse),
         "engine": {"steps": lse.engine.steps, **lse.engine.load, "cpu_fallback": lse.fallback.to_json()},
         "stats": lse.stats.to_json(),
     }
+
+
+def _kv_cache_json(lse: LSE) -> dict[str, Any]:
+    """The KV cache types asked for, and what each device that may hold a cache stores (f32 where it lacks one)."""
+    ctx = lse.plan.ctx
+    holders = lse.devices + [p.device for p in lse.plan.placements
+                             if p.device is not None and p.device not in lse.devices and "attention" in p.group.ops]
+    return {"type_k": ctx.cache_type_k, "type_v": ctx.cache_type_v,
+            "devices": [{"name": d.info.name, "type_k": ctx.on(d).cache_type_k, "type_v": ctx.on(d).cache_type_v}
+                        for d in dict.fromkeys(holders)]}
 
 
 def _device_json(info: DeviceInfo) -> dict[str, Any]:

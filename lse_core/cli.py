@@ -33,12 +33,17 @@ def add_engine_options(p: argparse.ArgumentParser, many_models: bool = False) ->
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: a request's output does not depend on prefix caching or on the "
                         "requests it runs with (slower; backends that cannot refuse to start)")
+    for part in ("k", "v"):
+        p.add_argument(f"--cache-type-{part}", metavar="TYPE",
+                       help=f"what the KV cache stores {'keys' if part == 'k' else 'values'} as: f16, q8_0 or f32 "
+                            "(default: f16, or f32 on a device without f16, which startup reports)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
 def config_from_args(args: argparse.Namespace, **extra: Any) -> LSEConfig:
     return LSEConfig(model=getattr(args, "model", None), kv_len=args.kv_len, pool=args.pool,
-                     disable_cpu_fallback=args.no_cpu_fallback, deterministic=args.deterministic, **extra)
+                     disable_cpu_fallback=args.no_cpu_fallback, deterministic=args.deterministic,
+                     cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, **extra)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,6 +185,8 @@ def _model_table(status: dict[str, Any]) -> str:
     if engine:
         rows += [("context length", status.get("context_length")),
                  ("devices", ", ".join(d["name"] for d in status.get("devices", []))),
+                 ("KV cache (k / v)", ", ".join(f"{d['type_k']} / {d['type_v']} on {d['name']}"
+                                                for d in status.get("kv_cache", {}).get("devices", []))),
                  ("running / waiting", f"{engine.get('running')} / {engine.get('waiting')}"),
                  ("free KV slots", f"{engine.get('free_slots')} of {engine.get('slots')}"),
                  ("engine steps", engine.get("steps")),

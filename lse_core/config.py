@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+# What a KV cache may store keys and values as, by llama.cpp's names: f16 (the default, as llama.cpp's), q8_0
+# (blocks of 32 values as int8 with one f16 scale, GGUF's Q8_0) or f32
+KV_CACHE_TYPES = ("f16", "q8_0", "f32")
+
 
 @dataclass
 class LSEConfig:
@@ -19,6 +23,10 @@ class LSEConfig:
     max_queue: int = 64               # requests waiting for a slot before new ones get 503
     prefill_chunk: int = 512          # prompt tokens processed per engine step
     deterministic: bool = False       # greedy output independent of prefix caching, batching and chunking
+    # what the KV cache stores keys and values as: f16, q8_0 or f32 (KV_CACHE_TYPES); None: f16, or f32
+    # on a device without f16 (reported at startup); a type named here that a pool device lacks fails startup
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
 
     @property
     def cpu_fallback_refused(self) -> bool:

@@ -15,6 +15,7 @@ from lse_core.adapters.anthropic import CountTokensRequest, MessagesRequest
 from lse_core.adapters.common import TOKEN_ID_MARK, WIDTH_MARK
 from lse_core.adapters.openai import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeBody
 from lse_core.adapters.responses import ResponsesRequest
+from lse_core.config import KV_CACHE_TYPES
 from lse_core.embeddings import EmbeddingsRequest
 from lse_core.protocol import REPLY_PARTS
 
@@ -97,6 +98,12 @@ MODEL_STATUS = {   # one model's lse_status: its state, and while it is loaded i
         "device": nullable(STRING), "cpu_fallback": nullable(STRING)},
         description="each fused group of the plan and the device that runs it (null: refused)")},
     "declined": {"type": "array", "items": STRING}, "startup_warnings": {"type": "array", "items": STRING},
+    "kv_cache": obj(["type_k", "type_v", "devices"], {
+        "type_k": ref("KVCacheType"), "type_v": ref("KVCacheType"),
+        "devices": {"type": "array", "items": obj(["name", "type_k", "type_v"], {
+            "name": STRING, "type_k": ref("KVCacheType"), "type_v": ref("KVCacheType")})}},
+        description="the KV cache types asked for (--cache-type-k/-v), and what each device holding a cache "
+                    "stores: f32 where it lacks the default f16 (a startup warning says so)"),
     "engine": obj(["steps", "running", "waiting", "paused", "slots", "free_slots", "cpu_fallback"], {
         "steps": COUNT, "running": COUNT, "waiting": COUNT, "paused": COUNT, "slots": COUNT, "free_slots": COUNT,
         "cpu_fallback": ref("CPUFallback")}),
@@ -163,6 +170,7 @@ SCHEMAS: dict[str, Any] = {
         "object": {"const": "lse.status"}, **MODEL_STATUS,
         "models": {"type": "array", "items": obj(["model", "state"], MODEL_STATUS)}},
         description="the asked for (or default) model's status; each model's under models"),
+    "KVCacheType": {"enum": list(KV_CACHE_TYPES)},
     "CPUFallback": obj(["allowed", "total", "events"], {
         "allowed": BOOLEAN, "total": COUNT,
         "events": {"type": "array", "items": obj(["cause", "count"], {"cause": STRING, "count": COUNT})}}),

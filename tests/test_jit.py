@@ -47,9 +47,9 @@ def compile_group(device, nodes: list[ir.Node], weights: dict | None = None, ctx
     return kernel
 
 
-def on_both(jit, nodes, inputs, steps, weights=None):
+def on_both(jit, nodes, inputs, steps, weights=None, ctx: CompileContext = CTX):
     """Each step through the jit kernel and the interpreter's: [(jit outputs, cpu outputs)] per step."""
-    kernels = [compile_group(device, nodes, weights) for device in (jit, CPUDevice())]
+    kernels = [compile_group(device, nodes, weights, ctx) for device in (jit, CPUDevice())]
     return [tuple([np.array(o) for o in k(inputs_i, step)] for k in kernels) for inputs_i, step in zip(inputs, steps)]
 
 
@@ -204,15 +204,25 @@ def test_rope_rotates_each_head_by_its_tokens_position(jit, attrs):
     np.testing.assert_allclose(mine[0], reference[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("head_dim", "n_heads", "n_kv", "window", "lengths"), [
-    (16, 4, 2, 0, (6, 3, 4)), (16, 4, 2, 3, (6, 3, 4)),
-    # the vector kernels: whole blocks of eight keys and a remainder, head dims of 64 (eight vectors), 80
-    # (eight and two), 12 (one, and four dims left over) and 4 (none), a window starting mid-block
-    (64, 6, 2, 0, (30, 9, 30)), (80, 3, 3, 0, (30, 9, 30)), (12, 4, 1, 0, (30, 9, 30)), (4, 2, 2, 0, (30, 9, 30)),
-    (64, 4, 2, 21, (30, 9, 30))])
-def test_attention_mixed_prefill_and_decode_with_gqa(jit, head_dim, n_heads, n_kv, window, lengths):
+ATTENTION_SHAPES = [
+    (32, 4, 2, 0, (6, 3, 4)), (32, 4, 2, 3, (6, 3, 4)),
+    # the vector kernels: whole blocks of eight keys and a remainder, head dims of 64 (eight vectors), 96
+    # (eight and four), 12 (one, and four dims left over) and 4 (none), a window starting mid-block
+    (64, 6, 2, 0, (30, 9, 30)), (96, 3, 3, 0, (30, 9, 30)), (12, 4, 1, 0, (30, 9, 30)), (4, 2, 2, 0, (30, 9, 30)),
+    (64, 4, 2, 21, (30, 9, 30))]
+CACHE_TYPE_PAIRS = [("f32", "f32"), ("f16", "f16"), ("q8_0", "q8_0"), ("f16", "q8_0")]
+
+
+@pytest.mark.parametrize(("head_dim", "n_heads", "n_kv", "window", "lengths", "cache_types"), [
+    (*shape, types) for shape in ATTENTION_SHAPES for types in CACHE_TYPE_PAIRS
+    if "q8_0" not in types or shape[0] % 32 == 0])  # q8_0: whole blocks of 32 (lse_open refuses other head dims)
+def test_attention_mixed_prefill_and_decode_with_gqa(jit, head_dim, n_heads, n_kv, window, lengths, cache_types):
     """Step 1 prefills A (slot 2) and B (slot 0); step 2 decodes A and prefills a second chunk of B:
-    every row sees only its own sequence's cached positions (in its window)."""
+    every row sees only its own sequence's cached positions (in its window). Each cache type stores what
+    the interpreter's does (f16 rounded to nearest, q8_0 blocks of 32 as llama.cpp's), so the two agree as
+    closely as with float32 caches."""
+    ctx = CompileContext(CTX.kv_slots, CTX.kv_len, CTX.max_tokens, cache_type_k=cache_types[0],
+                         cache_type_v=cache_types[1])
     a, b, c = lengths
     node = ir.Node("attention", ("q", "k", "v"), "o", (), {"n_heads": n_heads, "n_kv_heads": n_kv,
                                                           "head_dim": head_dim, "scale": 0.25, "window": window})
@@ -220,7 +230,7 @@ def test_attention_mixed_prefill_and_decode_with_gqa(jit, head_dim, n_heads, n_k
     inputs = [[RNG.standard_normal((s.n_tokens, width)).astype(np.float32)
                for width in (n_heads * head_dim, n_kv * head_dim, n_kv * head_dim)] for s in steps]
     inputs[1][0][0, 1] = np.nan  # A's decode row, head 0: its outputs are NaN, as the interpreter's are
-    for mine, reference in on_both(jit, [node], inputs, steps):  # sums in another order: float32 rounding
+    for mine, reference in on_both(jit, [node], inputs, steps, ctx=ctx):  # sums in another order: float32 rounding
         np.testing.assert_allclose(mine[0], reference[0], rtol=1e-5, atol=1e-5 * np.nanmax(np.abs(reference[0])))
     assert np.isnan(mine[0][0, :head_dim]).all() and not np.isnan(mine[0][1:]).any()
 

@@ -4,6 +4,7 @@ semantics, then whole models against the CPU interpreter."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -203,14 +204,18 @@ def attention_reference(q, k_hist, v_hist, positions, slots, n_heads, n_kv, hd, 
     return out
 
 
+@pytest.mark.parametrize("cache_types", [("f32", "f32"), ("f16", "f16"), ("f16", "f32")])
 @pytest.mark.parametrize(("window", "hd"), [(0, 8), (3, 8), (0, 12), (4, 6)])
-def test_attention_prefill_then_mixed_decode(device, window, hd):
+def test_attention_prefill_then_mixed_decode(device, window, hd, cache_types):
     """Slot 2 prefills 6 tokens; then one step decodes slot 2 while slot 0 prefills 4 (GQA 4:2).
-    Head sizes 8, 12 and 6 take the float8, float4 and scalar paths."""
+    Head sizes 8, 12 and 6 take the float8, float4 and scalar paths. An f16 cache holds each value
+    rounded to the nearest half, and attends over those as float32."""
     n_heads, n_kv = 4, 2
     attrs = {"n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": hd, "scale": hd**-0.5, "window": window}
     node = Node("attention", ("q", "k", "v"), "o", attrs=attrs)
-    kernel = device.compile(FusedGroup(0, (node,), node.inputs, ("o",), ()), {}, CTX)
+    ctx = replace(CTX, cache_type_k=cache_types[0], cache_type_v=cache_types[1])
+    stored = [np.float16 if kind == "f16" else np.float32 for kind in cache_types]
+    kernel = device.compile(FusedGroup(0, (node,), node.inputs, ("o",), ()), {}, ctx)
     rng = np.random.default_rng(5)
     k_hist = {s: rng.standard_normal((CTX.kv_len, n_kv * hd)) for s in range(3)}
     v_hist = {s: rng.standard_normal((CTX.kv_len, n_kv * hd)) for s in range(3)}
@@ -220,8 +225,8 @@ def test_attention_prefill_then_mixed_decode(device, window, hd):
         k = np.stack([k_hist[s][p] for s, p in zip(slots, step.positions, strict=True)]).astype(np.float32)
         v = np.stack([v_hist[s][p] for s, p in zip(slots, step.positions, strict=True)]).astype(np.float32)
         (out,) = kernel([device.to_device(a) for a in (q, k, v)], step)
-        want = attention_reference(q, {s: h.astype(np.float32) for s, h in k_hist.items()},
-                                   {s: h.astype(np.float32) for s, h in v_hist.items()},
+        want = attention_reference(q, {s: h.astype(np.float32).astype(stored[0]) for s, h in k_hist.items()},
+                                   {s: h.astype(np.float32).astype(stored[1]) for s, h in v_hist.items()},
                                    step.positions, slots, n_heads, n_kv, hd, window, hd**-0.5)
         np.testing.assert_allclose(device.to_host(out), want, rtol=1e-5, atol=1e-5)
 

@@ -40,6 +40,7 @@ class Program:
 class CPUDevice(Device):
     info = DeviceInfo("cpu", 0, "cpu", codegen=False, description="numpy interpreter (float32)")
     deterministic = True   # its linears and attention then go a row at a time (kernels.py)
+    kv_cache_types = ("f16", "q8_0", "f32")
 
     def __init__(self) -> None:
         # (id(source weight), transposed) -> (source, float32 array): a tensor read by several groups

@@ -199,14 +199,50 @@ def _sequences(step: Step) -> list[tuple[int, int, int, list[int]]]:
 sequences_of = PerStep(_sequences)  # the same for every attention node of a step
 
 
+Q8_0_BLOCK = 32  # values per q8_0 block, each block stored as int8s and one f16 scale (GGUF's Q8_0)
+
+
+class KVCache:
+    """One layer's keys (or values), [slot, kv head, position, head_dim], stored as f32, f16 or q8_0: a kv
+    head's rows are one contiguous [positions, head_dim] block, which BLAS reads as it is (f32), or which is
+    widened to float32 for the positions a step reads. The OS commits pages as they are first written.
+    q8_0 rounds as llama.cpp's reference quantizer (and the jit device's): per block, d = max|x| / 127
+    (stored f16), q = rint(x / d)."""
+
+    def __init__(self, kind: str, shape: tuple[int, int, int, int]) -> None:
+        self.kind = kind
+        self.values = sparse_zeros(shape, {"f32": np.float32, "f16": np.float16, "q8_0": np.int8}[kind])
+        if kind == "q8_0":
+            self.scales = sparse_zeros((*shape[:-1], shape[-1] // Q8_0_BLOCK), np.float16)
+
+    def write(self, slot: int, positions: int | list[int], rows: np.ndarray) -> None:
+        """rows [n_kv, head_dim] at one position, or [n_kv, len(positions), head_dim]."""
+        if self.kind != "q8_0":
+            self.values[slot][:, positions] = rows
+            return
+        blocks = rows.reshape(*rows.shape[:-1], -1, Q8_0_BLOCK)
+        scale = np.max(np.abs(blocks), axis=-1, keepdims=True) / np.float32(127)
+        inverse = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale != 0)
+        self.values[slot][:, positions] = np.rint(blocks * inverse).reshape(rows.shape)
+        self.scales[slot][:, positions] = scale[..., 0]
+
+    def read(self, slot: int, first: int, last: int) -> np.ndarray:
+        """float32 [n_kv, last - first + 1, head_dim] of positions first .. last (f32: a view of the cache)."""
+        values = self.values[slot][:, first:last + 1]
+        if self.kind == "f32":
+            return values
+        if self.kind == "f16":
+            return values.astype(np.float32)
+        scales = self.scales[slot][:, first:last + 1, :, None].astype(np.float32)
+        return (values.reshape(*values.shape[:-1], -1, Q8_0_BLOCK) * scales).reshape(values.shape)
+
+
 def attention(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeKernel:
     n_heads, n_kv, head_dim = node.attrs["n_heads"], node.attrs["n_kv_heads"], node.attrs["head_dim"]
     group = n_heads // n_kv
     scale, window = np.float32(node.attrs["scale"]), int(node.attrs.get("window") or 0)
-    # [slot, kv head, position, head_dim]: a kv head's keys are one contiguous [positions, head_dim]
-    # block, which BLAS reads as it is; the OS commits pages as they are first written.
-    k_cache = sparse_zeros((ctx.kv_slots, n_kv, ctx.kv_len, head_dim))
-    v_cache = sparse_zeros(k_cache.shape)
+    k_cache = KVCache(ctx.cache_type_k, (ctx.kv_slots, n_kv, ctx.kv_len, head_dim))
+    v_cache = KVCache(ctx.cache_type_v, (ctx.kv_slots, n_kv, ctx.kv_len, head_dim))
     buffer = OutputBuffer(ctx.max_tokens)
 
     def run(inputs: Sequence[np.ndarray], step: Step) -> np.ndarray:
@@ -215,26 +251,26 @@ def attention(node: Node, params: list[np.ndarray], ctx: CompileContext) -> Node
         for slot, r0, r1, positions in sequences_of(step):
             if ctx.deterministic:  # each row as a decode row: the products' shapes would pick BLAS's kernels
                 for r, position in zip(range(r0, r1), positions):
-                    _attend(q[r:r + 1], k[r:r + 1], v[r:r + 1], k_cache[slot], v_cache[slot], [position], out[r:r + 1])
+                    _attend(q[r:r + 1], k[r:r + 1], v[r:r + 1], slot, [position], out[r:r + 1])
             else:
-                _attend(q[r0:r1], k[r0:r1], v[r0:r1], k_cache[slot], v_cache[slot], positions, out[r0:r1])
+                _attend(q[r0:r1], k[r0:r1], v[r0:r1], slot, positions, out[r0:r1])
         return out
 
-    def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, values: np.ndarray,
-                positions: list[int], out: np.ndarray) -> None:
+    def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, slot: int, positions: list[int], out: np.ndarray) -> None:
         """One sequence: its k, v rows into its slot's cache, then its query rows against the cached
         positions [first, last]."""
         n = q.shape[0]
         if n == 1:  # a decode row: plain indexing, far cheaper than a fancy-indexed write
             last = lowest = positions[0]
-            keys[:, last] = k.reshape(n_kv, head_dim)
-            values[:, last] = v.reshape(n_kv, head_dim)
+            k_cache.write(slot, last, k.reshape(n_kv, head_dim))
+            v_cache.write(slot, last, v.reshape(n_kv, head_dim))
         else:
             last, lowest = max(positions), min(positions)
-            keys[:, positions] = k.reshape(n, n_kv, head_dim).transpose(1, 0, 2)
-            values[:, positions] = v.reshape(n, n_kv, head_dim).transpose(1, 0, 2)
+            k_cache.write(slot, positions, k.reshape(n, n_kv, head_dim).transpose(1, 0, 2))
+            v_cache.write(slot, positions, v.reshape(n, n_kv, head_dim).transpose(1, 0, 2))
         first = max(0, lowest - window + 1) if window else 0
-        keys, values = keys[:, None, first:last + 1], values[:, None, first:last + 1]  # [n_kv, 1, t, head_dim]
+        keys = k_cache.read(slot, first, last)[:, None]  # [n_kv, 1, t, head_dim]
+        values = v_cache.read(slot, first, last)[:, None]
         # The query heads that read each kv head, as a [n_kv, group, 1, head_dim] view of a single
         # row (head h = kv * group + g): a matrix-vector product per query head, cheaper than BLAS's
         # matrix product on a [group, head_dim] matrix. Several rows: [n_kv, 1, n * group, head_dim],

@@ -25,7 +25,7 @@ else:
     from . import cache
 
     cache.install()  # before any function of the package is cached: keyed by all of its sources
-    from . import codegen, program, quant, vector
+    from . import attention, codegen, program, quant, vector
     from .program import ATTENTION, EMBED, EMBED_Q, FUSED, LAST_ROWS, LINEAR, LINEAR_Q, RMS_NORM, ROPE, Instruction
 
 log = logging.getLogger("lse")
@@ -38,6 +38,7 @@ class JitDevice(Device):
     row-independent but for the quantized linears' paths, which then follow one row's (quant._groups)."""
 
     deterministic = True
+    kv_cache_types = ("f16", "q8_0", "f32")
 
     def __init__(self) -> None:
         self.info = DeviceInfo("jit", 0, "cpu", codegen=True, description=(
@@ -137,11 +138,12 @@ def _rope(device: JitDevice, node: Node, params: list[Any], ctx: CompileContext)
 
 def _attention(device: JitDevice, node: Node, params: list[Any], ctx: CompileContext) -> Instruction:
     n_heads, n_kv, head_dim = (int(node.attrs[k]) for k in ("n_heads", "n_kv_heads", "head_dim"))
-    # head-major; the OS commits a slot's pages as its positions are first written
-    k_cache = sparse_zeros((ctx.kv_slots, n_kv, ctx.kv_len, head_dim))
-    v_cache = sparse_zeros(k_cache.shape)
+    k_kind, v_kind = attention.KV_KINDS[ctx.cache_type_k], attention.KV_KINDS[ctx.cache_type_v]
+    # head-major rows of bytes; the OS commits a slot's pages as its positions are first written
+    k_cache, v_cache = (sparse_zeros((ctx.kv_slots, n_kv, ctx.kv_len, attention.row_bytes(kind, head_dim)), np.uint8)
+                        for kind in (k_kind, v_kind))
     window = int(node.attrs.get("window") or 0)
-    return Instruction(ATTENTION, (node.output,), node.inputs, (k_cache, v_cache, n_heads, window),
+    return Instruction(ATTENTION, (node.output,), node.inputs, (k_cache, v_cache, n_heads, window, k_kind, v_kind),
                        float(node.attrs["scale"]), width=n_heads * head_dim, uses_cache=True)
 
 

@@ -49,7 +49,7 @@ FUSED_SIGNATURE = types.void(*[types.float32[::1]] * (MAX_OUTPUTS + MAX_INPUTS))
 _LIST_TYPES = {  # every typed list ``execute`` takes, by the kind of thing it holds (weights read-only: mmapped)
     "acts": types.float32[:, ::1], "flats": types.float32[::1],
     "mats": types.Array(types.float32, 2, "C", readonly=True), "qmats": types.Array(types.uint8, 2, "C", readonly=True),
-    "vecs": types.Array(types.float32, 1, "C", readonly=True), "caches": types.float32[:, :, :, ::1],
+    "vecs": types.Array(types.float32, 1, "C", readonly=True), "caches": types.uint8[:, :, :, ::1],
     "fns": types.FunctionType(FUSED_SIGNATURE),
 }
 
@@ -199,12 +199,12 @@ def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, cac
                 _add_bias(vecs, c[_bias_arg(part)], y, r0, r1)
             first += pairs
     elif op == ATTENTION and phase == 0:
-        attention.store_kv(acts[c[IN + 1]], acts[c[IN + 2]], caches[c[ARG]], caches[c[ARG + 1]], positions,
-                           row_slot, t0, t1)
+        attention.store_kv(acts[c[IN + 1]], acts[c[IN + 2]], caches[c[ARG]], caches[c[ARG + 1]], c[ARG + 4],
+                           c[ARG + 5], positions, row_slot, t0, t1)
     elif op == ATTENTION:
         i0, i1 = _span(n * caches[c[ARG]].shape[1], n_items, item)
-        attention.attention(acts[c[IN]][:n], caches[c[ARG]], caches[c[ARG + 1]], positions, row_slot, c[ARG + 2],
-                            scalar, c[ARG + 3], acts[out][:n], i0, i1)
+        attention.attention(acts[c[IN]][:n], caches[c[ARG]], caches[c[ARG + 1]], c[ARG + 4], c[ARG + 5], positions,
+                            row_slot, c[ARG + 2], scalar, c[ARG + 3], acts[out][:n], i0, i1)
     elif op == FUSED:
         s0, s1 = _span(n * acts[c[IN]].shape[1], n_items, item)
         empty = np.empty(0, np.float32)
@@ -323,9 +323,8 @@ class Instruction:
 def _list_kind(resource: Any) -> str:
     if not isinstance(resource, np.ndarray):
         return "fns"
-    if resource.dtype == np.uint8:
-        return "qmats"
-    return {1: "vecs", 2: "mats", 4: "caches"}[resource.ndim]
+    return {(np.uint8, 2): "qmats", (np.uint8, 4): "caches", (np.float32, 1): "vecs",
+            (np.float32, 2): "mats"}[resource.dtype.type, resource.ndim]
 
 
 class Program:

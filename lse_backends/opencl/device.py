@@ -96,6 +96,8 @@ def step_arrays(step: Step) -> dict[str, np.ndarray]:
 
 
 class OpenCLDevice(Device):
+    kv_cache_types = ("f16", "f32")  # halves through vload_half/vstore_half; no q8_0 kernels yet
+
     def __init__(self, info: DeviceInfo, cl_device: cl.Device) -> None:
         self.info = info
         self.context = cl.Context([cl_device])
@@ -244,14 +246,15 @@ class OpenCLDevice(Device):
         head_dim, n_heads, n_kv_heads = int(a["head_dim"]), int(a["n_heads"]), int(a["n_kv_heads"])
         window, scale = int(a.get("window") or 0), float(a["scale"])
         kv_width = n_kv_heads * head_dim
-        cache_bytes = ctx.kv_slots * ctx.kv_len * kv_width * 4
+        halves = {"K_HALF": int(ctx.cache_type_k == "f16"), "V_HALF": int(ctx.cache_type_v == "f16")}
+        k_bytes, v_bytes = (ctx.kv_slots * ctx.kv_len * kv_width * (2 if half else 4) for half in halves.values())
         limit = self.queue.device.max_mem_alloc_size
-        if cache_bytes > limit:
-            return (f"the KV cache ({cache_bytes >> 20} MiB per layer for k and for v) exceeds the device's "
-                    f"largest allocation ({limit >> 20} MiB); lower --kv-len or --parallel")
-        k_cache = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, cache_bytes)
-        v_cache = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, cache_bytes)
-        program = self._program(kernels.ATTENTION, HEAD_DIM=head_dim)
+        if max(k_bytes, v_bytes) > limit:
+            return (f"the KV cache ({max(k_bytes, v_bytes) >> 20} MiB per layer for k or for v) exceeds the "
+                    f"device's largest allocation ({limit >> 20} MiB); lower --kv-len or --parallel")
+        k_cache = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, k_bytes)
+        v_cache = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, v_bytes)
+        program = self._program(kernels.ATTENTION, HEAD_DIM=head_dim, **halves)
         write, attend = program.kernel("kv_write"), program.kernel("attention")
 
         def run(args: Sequence[CLTensor], step: Step) -> list[CLTensor]:

@@ -95,16 +95,33 @@ __kernel void last_rows(__global float* out, __global const float* x, __global c
 }
 """
 
-# Built with -DHEAD_DIM=<d>. The cache is [slots, kv_len, n_kv_heads * HEAD_DIM] per layer.
+# Built with -DHEAD_DIM=<d> -DK_HALF=<0|1> -DV_HALF=<0|1>. The cache is [slots, kv_len, n_kv_heads * HEAD_DIM]
+# per layer, of floats or (K_HALF, V_HALF) of halves: vstore_half_rte rounds to nearest even and vload_half
+# widens to float, core OpenCL C that needs no cl_khr_fp16 (half may type only such a buffer's pointer).
 ATTENTION = COMMON + r"""
-__kernel void kv_write(__global float* k_cache, __global float* v_cache, __global const float* k,
+#if K_HALF
+typedef half k_t;
+#define K_STORE(x, i, p) vstore_half_rte(x, i, p)
+#else
+typedef float k_t;
+#define K_STORE(x, i, p) ((p)[i] = (x))
+#endif
+#if V_HALF
+typedef half v_t;
+#define V_STORE(x, i, p) vstore_half_rte(x, i, p)
+#else
+typedef float v_t;
+#define V_STORE(x, i, p) ((p)[i] = (x))
+#endif
+
+__kernel void kv_write(__global k_t* k_cache, __global v_t* v_cache, __global const float* k,
                        __global const float* v, __global const int* positions, __global const int* token_slot,
                        const int kv_width, const int kv_len) {
   const int c = get_global_id(0), t = get_global_id(1);
   if (c >= kv_width) return;
   const size_t dst = IDX(IDX(token_slot[t], positions[t], kv_len), c, kv_width);
-  k_cache[dst] = k[IDX(t, c, kv_width)];
-  v_cache[dst] = v[IDX(t, c, kv_width)];
+  K_STORE(k[IDX(t, c, kv_width)], dst, k_cache);
+  V_STORE(v[IDX(t, c, kv_width)], dst, v_cache);
 }
 
 // One work-item per (query row, head): online softmax over the row's window of cached positions,
@@ -114,25 +131,38 @@ __kernel void kv_write(__global float* k_cache, __global float* v_cache, __globa
 #define VW 8
 typedef float8 vec;
 #define VLOAD(i, p) vload8(i, p)
+#define VLOAD_HALF(i, p) vload_half8(i, p)
 #define VSTORE(v, i, p) vstore8(v, i, p)
 float vsum(const vec v) { const float4 a = v.lo + v.hi; return (a.x + a.y) + (a.z + a.w); }
 #elif HEAD_DIM % 4 == 0
 #define VW 4
 typedef float4 vec;
 #define VLOAD(i, p) vload4(i, p)
+#define VLOAD_HALF(i, p) vload_half4(i, p)
 #define VSTORE(v, i, p) vstore4(v, i, p)
 float vsum(const vec v) { return (v.x + v.y) + (v.z + v.w); }
 #else
 #define VW 1
 typedef float vec;
 #define VLOAD(i, p) ((p)[i])
+#define VLOAD_HALF(i, p) vload_half(i, p)
 #define VSTORE(v, i, p) ((p)[i] = (v))
 float vsum(const vec v) { return v; }
 #endif
 #define NV (HEAD_DIM / VW)
+#if K_HALF
+#define K_LOAD(i, p) VLOAD_HALF(i, p)
+#else
+#define K_LOAD(i, p) VLOAD(i, p)
+#endif
+#if V_HALF
+#define V_LOAD(i, p) VLOAD_HALF(i, p)
+#else
+#define V_LOAD(i, p) VLOAD(i, p)
+#endif
 
-__kernel void attention(__global float* out, __global const float* q, __global const float* k_cache,
-                        __global const float* v_cache, __global const int* positions,
+__kernel void attention(__global float* out, __global const float* q, __global const k_t* k_cache,
+                        __global const v_t* v_cache, __global const int* positions,
                         __global const int* token_slot, const int n_heads, const int n_kv_heads,
                         const int kv_len, const int window, const float scale) {
   const int h = get_global_id(0), t = get_global_id(1);
@@ -146,10 +176,10 @@ __kernel void attention(__global float* out, __global const float* q, __global c
   for (int d = 0; d < NV; d++) { qs[d] = VLOAD(d, qh) * scale; acc[d] = (vec)(0.0f); }
   float m = -INFINITY, l = 0.0f;
   for (int j = start; j <= p; j++) {
-    __global const float* kj = k_cache + base + (size_t)j * kv_width;
-    __global const float* vj = v_cache + base + (size_t)j * kv_width;
+    __global const k_t* kj = k_cache + base + (size_t)j * kv_width;
+    __global const v_t* vj = v_cache + base + (size_t)j * kv_width;
     vec dot = (vec)(0.0f);
-    for (int d = 0; d < NV; d++) dot = fma(qs[d], VLOAD(d, kj), dot);
+    for (int d = 0; d < NV; d++) dot = fma(qs[d], K_LOAD(d, kj), dot);
     const float s = vsum(dot);
     if (s > m) {
       const float correction = exp(m - s);
@@ -159,7 +189,7 @@ __kernel void attention(__global float* out, __global const float* q, __global c
     }
     const float e = exp(s - m);
     l += e;
-    for (int d = 0; d < NV; d++) acc[d] = fma((vec)(e), VLOAD(d, vj), acc[d]);
+    for (int d = 0; d < NV; d++) acc[d] = fma((vec)(e), V_LOAD(d, vj), acc[d]);
   }
   __global float* oh = out + IDX(t, h * HEAD_DIM, n_heads * HEAD_DIM);
   for (int d = 0; d < NV; d++) VSTORE(acc[d] / l, d, oh);

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import pluggy
 
+from lse_core.config import KV_CACHE_TYPES  # noqa: F401  (the contract names them; defined with the options)
 from lse_core.graph.fuse import FusedGroup
 from lse_core.graph.ir import Step
 
@@ -52,12 +53,24 @@ class CompileContext:
     # every row computed by the same arithmetic whatever else the step holds (its row count, the other
     # sequences, where a prefill chunk starts): only devices whose ``deterministic`` is True are given it
     deterministic: bool = False
+    # what an attention kernel's KV cache stores keys and values as (one of KV_CACHE_TYPES, always one of the
+    # device's ``kv_cache_types``: see ``on``)
+    cache_type_k: str = "f32"
+    cache_type_v: str = "f32"
+
+    def on(self, device: Device) -> CompileContext:
+        """The context ``device`` compiles with: a cache type it lacks becomes f32, which every device stores
+        (lse_open refuses a type asked for by name that a device lacks, and reports every such change)."""
+        k, v = (t if t in device.kv_cache_types else "f32" for t in (self.cache_type_k, self.cache_type_v))
+        return replace(self, cache_type_k=k, cache_type_v=v)
 
 
 class Device(ABC):
     info: DeviceInfo
     # whether its kernels honour CompileContext.deterministic (lse_open refuses the mode otherwise)
     deterministic: bool = False
+    # the KV_CACHE_TYPES its attention kernels store (CompileContext.cache_type_k/_v); f32 at least
+    kv_cache_types: tuple[str, ...] = ("f32",)
 
     @abstractmethod
     def compile(self, group: FusedGroup, weights: Mapping[str, Any], ctx: CompileContext) -> Kernel | str:

@@ -197,14 +197,14 @@ def _place(group: FusedGroup, devices: list[Device], graph: Graph, ctx: CompileC
     weights = {name: graph.weights[name] for name in group.params}
     reasons = []
     for device in devices:
-        kernel = device.compile(group, weights, ctx)
+        kernel = device.compile(group, weights, ctx.on(device))
         if not isinstance(kernel, str):
             return Placement(group, device, kernel, None)
         reasons.append(f"{device.info.name}: {kernel}")
     cause = "; ".join([group.describe()] + reasons)
     if not allow_fallback or fallback_device is None:
         return Placement(group, None, None, cause)
-    kernel = fallback_device.compile(group, weights, ctx)
+    kernel = fallback_device.compile(group, weights, ctx.on(fallback_device))
     if isinstance(kernel, str):
         raise RuntimeError(f"the CPU interpreter cannot run {group.describe()}: {kernel}")
     return Placement(group, fallback_device, kernel, cause)
