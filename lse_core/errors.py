@@ -2,7 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+
+
+class ErrorDetail(BaseModel):
+    """The error object; the optional fields appear only on the errors that carry them."""
+
+    model_config = ConfigDict(extra="forbid")   # an extra field not declared here would be missing from /openapi.json
+
+    message: str
+    type: str
+    code: str | None
+    param: str | None
+    levels: list[str] = Field(None, description="thinking errors: the model's level ids")
+    # lse_core.limits declares LSEContext and imports this module, so the schema names it by reference (under
+    # allOf: pydantic would look a bare $ref up among its own definitions)
+    lse_context: Annotated[dict[str, int], WithJsonSchema({"allOf": [{"$ref": "#/components/schemas/LSEContext"}]})] \
+        = Field(None, description="context_full: the prompt against the context")
+    models: list[str] = Field(None, description="model_not_found: the served model ids")
+
+
+class Error(BaseModel):
+    """The OpenAI-shaped error body."""
+
+    error: ErrorDetail
 
 
 class LSEError(Exception):
@@ -31,9 +56,8 @@ class LSEError(Exception):
         self.extra = extra
 
     def body(self) -> dict[str, Any]:
-        error = {"message": self.message, "type": self.type, "code": self.code, "param": self.param}
-        error.update(self.extra)
-        return {"error": error}
+        detail = ErrorDetail(message=self.message, type=self.type, code=self.code, param=self.param, **self.extra)
+        return Error(error=detail).model_dump(exclude_unset=True)
 
 
 def invalid_request(message: str, code: str, param: str | None = None, **extra: Any) -> LSEError:

@@ -226,7 +226,7 @@ class ModelSet:
         with self._lock:
             known = entry.served or protocol.model_entry(entry.spec.id, int(self.started), None, None, None,
                                                          structured.supported())
-            return known | {"state": entry.state, "reason": entry.reason}
+            return protocol.model_entry_with_state(known, entry.state, entry.reason)
 
     def entries(self) -> list[dict[str, Any]]:
         return [self.entry(model_id) for model_id in self._entries]

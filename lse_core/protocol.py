@@ -32,9 +32,9 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, TypeAdapter, computed_field
+from pydantic import Field, TypeAdapter, WithJsonSchema, computed_field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from lse_core.adapters.common import REPLY_PART, Count, checked
@@ -49,7 +49,7 @@ from lse_core.adapters.openai import (
     TokenizeBody,
     TokenizeText,
 )
-from lse_core.errors import invalid_request
+from lse_core.errors import Error, invalid_request
 from lse_core.limits import LSEContext, lse_context
 from lse_core.sampling import GenerationDefaults
 
@@ -441,7 +441,6 @@ class LSEWarning:
 
 
 _USAGE, _TIMINGS, _WARNING = TypeAdapter(Usage), TypeAdapter(Timings), TypeAdapter(LSEWarning)
-REPLY_PARTS = (Usage, Timings, LSEWarning, LSEContext)   # the reply shapes declared as dataclasses, for /openapi.json
 
 
 @dataclass
@@ -579,20 +578,97 @@ def _chat_logprob(token: bytes, logprob: float | None) -> dict[str, Any]:
     return {"token": token_text(token), "logprob": logprob, "bytes": list(token)}
 
 
+@pydantic_dataclass(frozen=True)
+class TokenPiece:
+    id: Count
+    piece: str | list[Count]   # its text, or its byte values when it is no UTF-8 by itself
+
+
+@pydantic_dataclass(config=REPLY_PART)
+class Tokenized:
+    """/tokenize's answer: llama.cpp's tokens (ids, or with pieces {id, piece}) and vLLM's count and max_model_len."""
+
+    tokens: list[Count | TokenPiece]
+    count: Count
+    max_model_len: Count
+
+
+@pydantic_dataclass(config=REPLY_PART)
+class Content:
+    """/detokenize's answer, as llama.cpp's."""
+
+    content: str
+
+
+_TOKENIZED, _CONTENT = TypeAdapter(Tokenized), TypeAdapter(Content)
+
+
 def tokenized(ids: list[int], pieces: list[bytes] | None, context_length: int) -> dict[str, Any]:
-    """/tokenize's answer: llama.cpp's tokens (with pieces: {id, piece}, a piece that is no UTF-8 by
-    itself as its byte values) and vLLM's count and max_model_len."""
-    tokens: list[Any] = list(ids)
+    tokens: list[int | TokenPiece] = list(ids)
     if pieces is not None:
-        tokens = [{"id": i, "piece": text if (text := _utf8(p)) is not None else list(p)} for i, p in zip(ids, pieces)]
-    return {"tokens": tokens, "count": len(ids), "max_model_len": context_length}
+        tokens = [TokenPiece(i, text if (text := _utf8(p)) is not None else list(p)) for i, p in zip(ids, pieces)]
+    return _TOKENIZED.dump_python(Tokenized(tokens, len(ids), context_length))
+
+
+def detokenized(text: str) -> dict[str, Any]:
+    return _CONTENT.dump_python(Content(text))
+
+
+def _nullable_ref(name: str) -> Any:
+    """A JSON value whose schema openapi.py writes by hand under ``name``, or null (inside anyOf: pydantic would
+    look a bare $ref up among its own definitions)."""
+    return WithJsonSchema({"anyOf": [{"$ref": f"#/components/schemas/{name}"}, {"type": "null"}]})
+
+
+@pydantic_dataclass(frozen=True)
+class StructuredOutputsSupport:
+    """What lse_core.structured.supported() says of structured output."""
+
+    supported: bool
+    engine: str
+    kinds: list[str]
+    fields: list[str]
+    tool_choice: list[str]
+
+
+ModelState = Literal["loaded", "loading", "unloaded", "failed"]
+
+
+@pydantic_dataclass(kw_only=True)
+class Model:
+    """One /v1/models entry. state and reason are the model set's, in /v1/models only (not model_info's served)."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    context_length: Count | None
+    thinking: Annotated[dict[str, Any] | None, _nullable_ref("Thinking")]
+    generation_defaults: Annotated[dict[str, Any] | None, _nullable_ref("GenerationDefaults")]
+    structured_outputs: StructuredOutputsSupport
+    state: ModelState = None      # None: left out, as in model_info's served
+    reason: str | None = None
+
+
+_MODEL = TypeAdapter(Model)
+_STATE = {"state", "reason"}
 
 
 def model_entry(model_id: str, created: int, context_length: int | None, thinking: dict[str, Any] | None,
                 defaults: GenerationDefaults | None, structured_outputs: dict[str, Any]) -> dict[str, Any]:
-    """One /v1/models entry; ``thinking`` is the template's thinking object as the spec shows it,
+    """The model's entry without its state; ``thinking`` is the template's thinking object as the spec shows it,
     ``structured_outputs`` what lse_core.structured supports. None: not known before the model first loads."""
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "lse",
-            "context_length": context_length, "thinking": thinking,
-            "generation_defaults": defaults.to_json() if defaults is not None else None,
-            "structured_outputs": structured_outputs}
+    model = Model(id=model_id, object="model", created=created, owned_by="lse", context_length=context_length,
+                  thinking=thinking, generation_defaults=defaults.to_json() if defaults is not None else None,
+                  structured_outputs=structured_outputs)
+    return _MODEL.dump_python(model, exclude=_STATE)
+
+
+def model_entry_with_state(entry: dict[str, Any], state: str, reason: str | None) -> dict[str, Any]:
+    """``entry`` (a model_entry) as /v1/models lists it, with the model's state and why it failed (or null)."""
+    return _MODEL.dump_python(Model(**entry, state=state, reason=reason))
+
+
+# the reply shapes declared as pydantic types, for /openapi.json
+REPLY_PARTS = (Usage, Timings, LSEWarning, LSEContext, Tokenized, Content, Error, Model)
+MODEL_STATE_SCHEMA = TypeAdapter(ModelState).json_schema()   # also /v1/lse/status's state

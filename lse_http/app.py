@@ -40,7 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from lse_core import api
 from lse_core.errors import LSEError, invalid_request, server_error
 from lse_core.model_set import Lease, ModelSet, requested_model
-from lse_core.protocol import parse_detokenize
+from lse_core.protocol import detokenized, parse_detokenize
 from lse_http.browser import HostCheckMiddleware
 from lse_http.metrics import prometheus_text
 from lse_http.openapi import OPENAPI, served_document
@@ -417,7 +417,7 @@ async def detokenize(request: Request) -> Response:
     with await _lease(request, body) as lse:
         tokenizer = lse.model.tokenizer
         tokens = parse_detokenize(body, tokenizer.vocab_size)
-        return _json({"content": await run_in_threadpool(tokenizer.decode, tokens)})
+        return _json(detokenized(await run_in_threadpool(tokenizer.decode, tokens)))
 
 
 # ---- bodies, errors, auth ----

@@ -1,8 +1,9 @@
 """The OpenAPI 3.1 document served at /openapi.json. Every request body's schema comes from the pydantic
-model that checks it (lse_core.adapters), and so do the reply parts lse_core.protocol declares as pydantic
-dataclasses (usage, timings, lse_context, lse_warnings entries); the rest of the replies' schemas are written here
-from spec/API.md and lse_core/protocol.py. Its schemas are JSON Schema 2020-12; the server tests validate real responses
-against them, so a change to a reply's shape must change this file too."""
+model that checks it (lse_core.adapters), and so do the replies and reply parts declared as the pydantic types
+that build them (lse_core.protocol.REPLY_PARTS: usage, timings, lse_context, lse_warnings entries, /tokenize's
+and /detokenize's answers, the error body, /v1/models entries); the rest of the replies' schemas are written
+here from spec/API.md and lse_core/protocol.py. Its schemas are JSON Schema 2020-12; the server tests validate
+real responses against them, so a change to a reply's shape must change this file too."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from lse_core.adapters.openai import ChatCompletionRequest, CompletionRequest, D
 from lse_core.adapters.responses import ResponsesRequest
 from lse_core.config import KV_CACHE_TYPES
 from lse_core.embeddings import EmbeddingsRequest
-from lse_core.protocol import REPLY_PARTS
+from lse_core.protocol import MODEL_STATE_SCHEMA, REPLY_PARTS
 
 
 def ref(name: str) -> dict[str, str]:
@@ -87,9 +88,9 @@ def choice(required: list[str], content: dict[str, Any], stop_reason: dict[str, 
                 "logprobs": LOGPROBS})
 
 
-MODEL_STATE = {"enum": ["loaded", "loading", "unloaded", "failed"]}
 MODEL_STATUS = {   # one model's lse_status: its state, and while it is loaded its engine's
-    "state": MODEL_STATE, "reason": nullable(STRING), "requests": COUNT, "queued": COUNT, "idle_s": nullable(NUMBER),
+    "state": MODEL_STATE_SCHEMA, "reason": nullable(STRING), "requests": COUNT, "queued": COUNT,
+    "idle_s": nullable(NUMBER),
     "memory_bytes": nullable(COUNT), "load_s": nullable(NUMBER),
     "model": STRING, "context_length": COUNT,
     "devices": {"type": "array", "items": ref("Device")},
@@ -115,12 +116,6 @@ MODEL_STATUS = {   # one model's lse_status: its state, and while it is loaded i
 }
 
 SCHEMAS: dict[str, Any] = {
-    "Error": obj(["error"], {"error": obj(["message", "type", "code", "param"], {
-        "message": STRING, "type": STRING, "code": nullable(STRING), "param": nullable(STRING),
-        "levels": {"type": "array", "items": STRING, "description": "thinking errors: the model's level ids"},
-        "lse_context": ref("LSEContext"),
-        "models": {"type": "array", "items": STRING, "description": "model_not_found: the served model ids"},
-    })}),
     "ChatCompletion": completion_object("chat.completion", choice(["message"], {"message": CHAT_MESSAGE},
                                                                   STOP_REASON)),
     "ChatCompletionChunk": chunk_object("chat.completion.chunk", choice(["delta"], {"delta": CHAT_DELTA},
@@ -143,15 +138,6 @@ SCHEMAS: dict[str, Any] = {
         "max_new_tokens": nullable(INTEGER), "max_length": nullable(INTEGER),
         "sources": {"type": "object", "additionalProperties": {
             "enum": ["generation_config.json", "config.json", "server_option", "lse_default"]}}}),
-    "Model": obj(["id", "object", "created", "owned_by", "context_length", "thinking", "generation_defaults",
-                  "structured_outputs"], {
-        "id": STRING, "object": {"const": "model"}, "created": INTEGER, "owned_by": STRING,
-        "context_length": nullable(COUNT), "thinking": nullable(ref("Thinking")),
-        "generation_defaults": nullable(ref("GenerationDefaults")),
-        "state": MODEL_STATE, "reason": nullable(STRING),   # in /v1/models (not model_info's served)
-        "structured_outputs": obj(["supported", "engine", "kinds", "fields", "tool_choice"], {
-            "supported": BOOLEAN, "engine": STRING, "kinds": {"type": "array", "items": STRING},
-            "fields": {"type": "array", "items": STRING}, "tool_choice": {"type": "array", "items": STRING}})}),
     "ModelList": obj(["object", "data"], {"object": {"const": "list"}, "data": {"type": "array",
                                                                                "items": ref("Model")}}),
     "Device": obj(["name", "kind", "codegen", "description"], {
@@ -175,11 +161,6 @@ SCHEMAS: dict[str, Any] = {
         "allowed": BOOLEAN, "total": COUNT,
         "events": {"type": "array", "items": obj(["cause", "count"], {"cause": STRING, "count": COUNT})}}),
     "Health": obj(["status"], {"status": {"enum": ["ok", "loading"]}}),
-    "Tokenized": obj(["tokens", "count", "max_model_len"], {
-        "tokens": {"type": "array", "items": {"anyOf": [COUNT, obj(["id", "piece"], {
-            "id": COUNT, "piece": {"anyOf": [STRING, {"type": "array", "items": COUNT}]}})]}},
-        "count": COUNT, "max_model_len": COUNT}),
-    "Content": obj(["content"], {"content": STRING}),
 }
 
 # ---- the other APIs' replies ----
@@ -250,8 +231,8 @@ REPLY_SCHEMAS: dict[str, Any] = {
 
 
 def model_schemas() -> dict[str, Any]:
-    """Every request body as the pydantic model that checks it declares it, and the reply parts that
-    lse_core.protocol builds from pydantic dataclasses as they serialize."""
+    """Every request body as the pydantic model that checks it declares it, and the replies and reply parts
+    built from pydantic types (lse_core.protocol.REPLY_PARTS) as they serialize."""
     requests = (ChatCompletionRequest, CompletionRequest, TokenizeBody, DetokenizeRequest, ResponsesRequest,
                 MessagesRequest, CountTokensRequest, EmbeddingsRequest)
     _, schema = models_json_schema([(m, "validation") for m in requests] + [(m, "serialization") for m in REPLY_PARTS],

@@ -683,7 +683,8 @@ def test_model_entry():
     thinking = {"supported": False, "source": None, "toggle": None, "effort": None,
                 "default_level": None, "levels": []}
     defaults = generation_defaults({"temperature": 1.0, "top_k": 20, "top_p": 0.95}, {}, None)
-    structured_outputs = {"supported": True}
+    structured_outputs = {"supported": True, "engine": "llguidance 1.0", "kinds": ["json_schema"],
+                          "fields": ["response_format"], "tool_choice": ["auto"]}   # as structured.supported()
     entry = model_entry("SmolLM2-135M-Instruct", 1700000000, 4096, thinking, defaults, structured_outputs)
     assert entry == {"id": "SmolLM2-135M-Instruct", "object": "model", "created": 1700000000, "owned_by": "lse",
                      "context_length": 4096, "thinking": thinking,
