@@ -28,6 +28,9 @@ from lse_core.model.gguf import load_gguf
 TEXTS = ["The quick brown fox", "Paris is the capital of France.", "Hi", "def add(a, b):\n    return a + b",
          "Tokens are sampled with temperature.", "café, naïve, 東京", "The key and value cache"]
 KV_LEN = 64
+# a float32 KV cache where embeddings are held to transformers' fp32 ones within 1e-5 (the f16 default moves them
+# ~1e-4: test_the_default_f16_cache_stays_near_the_reference)
+F32_KV = {"cache_type_k": "f32", "cache_type_v": "f32"}
 
 
 def reference(model: Path, ids: list[int], mode: str, gguf_file: str | None = None) -> np.ndarray:
@@ -72,7 +75,7 @@ def llama(tiny_checkpoint) -> Path:
 
 @pytest.fixture(scope="module")
 def llama_lse(llama: Path) -> Iterator[LSE]:
-    with open_engine(llama, kv_len=KV_LEN, parallel=2) as lse:
+    with open_engine(llama, kv_len=KV_LEN, parallel=2, **F32_KV) as lse:
         yield lse
 
 
@@ -106,10 +109,20 @@ def test_token_ids_and_dimensions(llama_lse: LSE, llama: Path) -> None:
 
 def test_on_the_jit_device(llama: Path) -> None:
     """jit:0 links the whole forward pass into one program; the final norm's rows still come out of it."""
-    with open_engine(llama, kv_len=KV_LEN, pool="jit:0") as lse:
+    with open_engine(llama, kv_len=KV_LEN, pool="jit:0", **F32_KV) as lse:
         data = lse_embeddings(lse, {"input": TEXTS[:2]})["data"]
     for item, text in zip(data, TEXTS[:2]):
         np.testing.assert_allclose(item["embedding"], reference(llama, encode(llama, text), "mean"), atol=1e-5)
+
+
+@pytest.mark.parametrize("pool", ["cpu:0", "jit:0"])
+def test_the_default_f16_cache_stays_near_the_reference(llama: Path, pool: str) -> None:
+    """With the default f16 KV cache, each embedding is within 5e-4 of transformers' fp32 one (measured ~1e-4)."""
+    with open_engine(llama, kv_len=KV_LEN, pool=pool) as lse:
+        assert lse_status(lse)["kv_cache"]["type_k"] == "f16"
+        data = lse_embeddings(lse, {"input": TEXTS[:2]})["data"]
+    for item, text in zip(data, TEXTS[:2]):
+        np.testing.assert_allclose(item["embedding"], reference(llama, encode(llama, text), "mean"), atol=5e-4)
 
 
 def test_input_past_the_context_names_its_index(llama_lse: LSE) -> None:
@@ -130,7 +143,8 @@ def last_token_model(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.fixture(scope="module")
 def server(last_token_model: Path) -> Iterator[Server]:
-    with lse_server(last_token_model, "--kv-len", str(KV_LEN), "--parallel", "2", "--pool", "cpu:0") as s:
+    with lse_server(last_token_model, "--kv-len", str(KV_LEN), "--parallel", "2", "--pool", "cpu:0",
+                    "--cache-type-k", "f32", "--cache-type-v", "f32") as s:
         yield s
 
 
@@ -202,7 +216,7 @@ def test_gguf_pooling_type(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     write_small_gguf(path, "qwen3", pooling_type=gguf.PoolingType.LAST)
     assert pooling(load_gguf(str(path))) == "last"
     prompt = [5, 77, 140, 3, 250, 9, 61]
-    with open_engine(path) as lse:
+    with open_engine(path, **F32_KV) as lse:
         vector = lse_embeddings(lse, {"input": prompt})["data"][0]["embedding"]
     np.testing.assert_allclose(vector, reference(tmp_path, prompt, "last", gguf_file=path.name), atol=1e-5)
     plain = tmp_path / "plain.gguf"
