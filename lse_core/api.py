@@ -22,7 +22,7 @@ from lse_core.devices.hookspec import CompileContext, Device, DeviceInfo
 from lse_core.devices.registry import Registry, discover, open_devices, open_interpreter, resolve_pool
 from lse_core.engine.engine import Engine
 from lse_core.engine.sequence import Delta, ReasoningBudget, SeqParams, Sequence
-from lse_core.errors import LSEError, StartupError, invalid_request, server_error
+from lse_core.errors import LSEError, StartupError, invalid_request, model_not_found, server_error
 from lse_core.fallback import FallbackLog
 from lse_core.graph.ir import Graph
 from lse_core.graph.plan import Placement, Plan
@@ -465,8 +465,7 @@ def _check_model(lse: LSE, name: str | None) -> None:
     """Requests may name the served model by id or path, or name none."""
     if name in (None, "", lse.model_id, lse.model.source):
         return
-    raise LSEError(f"the model {name!r} is not served here; this server serves {lse.model_id!r}",
-                   status=404, code="model_not_found", param="model")
+    raise model_not_found(name, [lse.model_id])
 
 
 def lse_request_iter(lse: LSE, body: Any, endpoint: str = "chat") -> Iterator[Event]:

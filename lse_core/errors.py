@@ -65,6 +65,12 @@ def invalid_request(message: str, code: str, param: str | None = None, **extra: 
     return LSEError(message, status=400, code=code, param=param, **extra)
 
 
+def model_not_found(name: str, ids: list[str]) -> LSEError:
+    """404 for a request naming a model that is not among ``ids``, the served ones (listed in the body too)."""
+    return LSEError(f"the model {name!r:.200} is not served here; this server serves {', '.join(map(repr, ids))}",
+                    status=404, code="model_not_found", param="model", models=ids)
+
+
 def server_error(message: str, code: str | None = None, status: int = 500) -> LSEError:
     """A 5xx server_error (CPU fallback refused, engine failure, overload)."""
     return LSEError(message, status=status, type="server_error", code=code)

@@ -25,7 +25,7 @@ import psutil
 from lse_core import api, protocol, structured
 from lse_core.adapters.responses import ResponseStore
 from lse_core.config import LSEConfig
-from lse_core.errors import LSEError, StartupError, server_error
+from lse_core.errors import LSEError, StartupError, model_not_found, server_error
 from lse_core.model.catalog import ModelSpec, file_bytes
 from lse_core.stats import Stats
 
@@ -259,9 +259,7 @@ class ModelSet:
         for entry in self._entries.values() if by_path else ():
             if entry.spec.path is not None and name == entry.spec.path:
                 return entry
-        ids = list(self._entries)
-        raise LSEError(f"the model {name!r:.200} is not served here; this server serves "
-                       f"{', '.join(map(repr, ids))}", status=404, code="model_not_found", param="model", models=ids)
+        raise model_not_found(name, list(self._entries))
 
     def _model_status(self, entry: _Entry) -> dict[str, Any]:
         with self._lock:
