@@ -619,7 +619,7 @@ def lse_models(lse: LSE, api: str = "chat") -> dict[str, Any]:
 
 def model_list(entries: list[dict[str, Any]], api: str = "chat") -> dict[str, Any]:
     """/v1/models of these entries: OpenAI's list, or Anthropic's for "messages"."""
-    return anthropic.model_list(entries) if api == "messages" else {"object": "list", "data": entries}
+    return anthropic.model_list(entries) if api == "messages" else protocol.model_list(entries)
 
 
 def lse_response(lse: LSE, response_id: str) -> dict[str, Any]:
@@ -636,7 +636,7 @@ def lse_count_tokens(lse: LSE, body: Any) -> dict[str, Any]:
     """/v1/messages/count_tokens: {"input_tokens"}, the prompt /v1/messages would start from. Raises
     LSEError, whose body anthropic.error_body shapes."""
     tokenized = lse_tokenize(lse, anthropic.count_tokens_body(body))
-    return {"input_tokens": tokenized["count"]}
+    return protocol.token_count(tokenized["count"])
 
 
 def lse_embeddings(lse: LSE, body: Any, cancel: threading.Event | None = None) -> dict[str, Any]:
@@ -663,7 +663,7 @@ def lse_embeddings(lse: LSE, body: Any, cancel: threading.Event | None = None) -
     total = sum(len(p) for p in prompts)
     lse.stats.record("embeddings", "ok", total)
     return embeddings.response(req, [embeddings.pool(r, mode, req.dimensions) for r in rows], lse.model_id, total,
-                               [protocol.LSEWarning(cause, n).to_json() for cause, n in fallbacks.items()])
+                               [protocol.LSEWarning(cause, n) for cause, n in fallbacks.items()])
 
 
 def _reasoning_budget(lse: LSE, req: protocol.GenerationRequest, splitter: Any) -> ReasoningBudget | None:

@@ -16,14 +16,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, TypeAdapter
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-from lse_core.adapters.common import AS_INTEGER, WIDTH_MARK, Body, NonEmpty, Text, TokenId, checked
+from lse_core.adapters.common import AS_INTEGER, WIDTH_MARK, Body, Count, NonEmpty, Text, TokenId, checked
 from lse_core.engine.engine import Engine
 from lse_core.engine.sequence import SeqParams, Sequence
 from lse_core.errors import LSEError, invalid_request
 from lse_core.limits import check_prompt_text, lse_context
 from lse_core.model.model import Model
+from lse_core.protocol import LSEWarning
 
 POOLING_MODES = ("mean", "max", "cls", "last")
 # sentence-transformers' Pooling config keys, and llama.cpp's pooling_type enum (0 is none: not an embedding model)
@@ -148,18 +150,45 @@ def _next_finished(finished: queue.Queue[Sequence], cancel: threading.Event | No
             continue
 
 
+@pydantic_dataclass(frozen=True)
+class Embedding:
+    object: Literal["embedding"]
+    index: Count
+    embedding: list[float] | Annotated[str, Field(description="base64 of little-endian float32")]
+
+
+@pydantic_dataclass(frozen=True)
+class EmbeddingUsage:
+    prompt_tokens: Count
+    total_tokens: Count
+
+
+@pydantic_dataclass
+class EmbeddingList:
+    """/v1/embeddings' answer, as OpenAI's; lse_warnings only when there are any."""
+
+    object: Literal["list"]
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage
+    lse_warnings: list[LSEWarning] | None = None
+
+
+_EMBEDDING_LIST = TypeAdapter(EmbeddingList)
+
+
 def response(req: EmbeddingsRequest, vectors: list[np.ndarray], model_id: str, prompt_tokens: int,
-             warnings: list[dict[str, Any]]) -> dict[str, Any]:
+             warnings: list[LSEWarning]) -> dict[str, Any]:
     """OpenAI's embeddings list; base64 is the float32 vector's little-endian bytes, as OpenAI sends it."""
     def encoded(vector: np.ndarray) -> Any:
         if req.encoding_format == "base64":
             return base64.b64encode(vector.astype("<f4").tobytes()).decode()
         return vector.tolist()
 
-    body = {"object": "list", "model": req.model or model_id,
-            "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)],
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
-    return body | ({"lse_warnings": warnings} if warnings else {})
+    body = EmbeddingList("list", req.model or model_id,
+                         [Embedding("embedding", i, encoded(v)) for i, v in enumerate(vectors)],
+                         EmbeddingUsage(prompt_tokens, prompt_tokens), warnings or None)
+    return _EMBEDDING_LIST.dump_python(body, exclude_none=True)
 
 
 def parse(body: Any) -> EmbeddingsRequest:

@@ -6,7 +6,30 @@ import logging
 import threading
 from typing import Any
 
+from pydantic import TypeAdapter
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
+from lse_core.adapters.common import REPLY_PART, Count
+
 log = logging.getLogger("lse")
+
+
+@pydantic_dataclass(frozen=True)
+class FallbackEvent:
+    cause: str
+    count: Count
+
+
+@pydantic_dataclass(config=REPLY_PART)
+class CPUFallback:
+    """An engine's CPU-fallback counters, as lse_status and /metrics read them."""
+
+    allowed: bool
+    total: Count
+    events: list[FallbackEvent]
+
+
+_CPU_FALLBACK = TypeAdapter(CPUFallback)
 
 
 class FallbackLog:
@@ -25,6 +48,7 @@ class FallbackLog:
 
     def to_json(self) -> dict[str, Any]:
         with self._lock:
-            events = [{"cause": c, "count": n} for c, n in self._counts.items()]
-        return {"allowed": self.allowed, "total": sum(e["count"] for e in events), "events": events}
+            events = [FallbackEvent(c, n) for c, n in self._counts.items()]
+        total = sum(e.count for e in events)
+        return _CPU_FALLBACK.dump_python(CPUFallback(self.allowed, total, events))
 

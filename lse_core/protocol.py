@@ -49,8 +49,8 @@ from lse_core.adapters.openai import (
     TokenizeBody,
     TokenizeText,
 )
-from lse_core.errors import Error, invalid_request
-from lse_core.limits import LSEContext, lse_context
+from lse_core.errors import invalid_request
+from lse_core.limits import lse_context
 from lse_core.sampling import GenerationDefaults
 
 # ---- requests ----
@@ -669,6 +669,45 @@ def model_entry_with_state(entry: dict[str, Any], state: str, reason: str | None
     return _MODEL.dump_python(Model(**entry, state=state, reason=reason))
 
 
-# the reply shapes declared as pydantic types, for /openapi.json
-REPLY_PARTS = (Usage, Timings, LSEWarning, LSEContext, Tokenized, Content, Error, Model)
+@pydantic_dataclass(config=REPLY_PART)
+class ModelList:
+    """OpenAI's /v1/models."""
+
+    object: Literal["list"]
+    data: list[Model]
+
+
+_MODEL_LIST = TypeAdapter(ModelList)
+
+
+def model_list(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI's /v1/models of these entries: model_entry_with_state dicts, or model_entry dicts (no state)."""
+    stateless = any("state" not in e for e in entries)
+    return _MODEL_LIST.dump_python(ModelList("list", [Model(**e) for e in entries]),
+                                   exclude={"data": {"__all__": _STATE}} if stateless else None)
+
+
+@pydantic_dataclass(config=REPLY_PART)
+class TokenCount:
+    """/v1/messages/count_tokens' answer, as Anthropic's."""
+
+    input_tokens: Count
+
+
+@pydantic_dataclass(config=REPLY_PART)
+class Health:
+    status: Literal["ok", "loading"]
+
+
+_TOKEN_COUNT, _HEALTH = TypeAdapter(TokenCount), TypeAdapter(Health)
+
+
+def token_count(tokens: int) -> dict[str, Any]:
+    return _TOKEN_COUNT.dump_python(TokenCount(tokens))
+
+
+def health_body(loading: bool) -> dict[str, Any]:
+    return _HEALTH.dump_python(Health("loading" if loading else "ok"))
+
+
 MODEL_STATE_SCHEMA = TypeAdapter(ModelState).json_schema()   # also /v1/lse/status's state

@@ -40,7 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from lse_core import api
 from lse_core.errors import LSEError, invalid_request, server_error
 from lse_core.model_set import Lease, ModelSet, requested_model
-from lse_core.protocol import detokenized, parse_detokenize
+from lse_core.protocol import detokenized, health_body, parse_detokenize
 from lse_http.browser import HostCheckMiddleware
 from lse_http.metrics import prometheus_text
 from lse_http.openapi import OPENAPI, served_document
@@ -382,9 +382,8 @@ async def status(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    if _starting(request):
-        return _json({"status": "loading"}, 503)
-    return _json({"status": "ok"})
+    loading = _starting(request)
+    return _json(health_body(loading), 503 if loading else 200)
 
 
 async def metrics(request: Request) -> Response:

@@ -1,9 +1,10 @@
 """The OpenAPI 3.1 document served at /openapi.json. Every request body's schema comes from the pydantic
 model that checks it (lse_core.adapters), and so do the replies and reply parts declared as the pydantic types
-that build them (lse_core.protocol.REPLY_PARTS: usage, timings, lse_context, lse_warnings entries, /tokenize's
-and /detokenize's answers, the error body, /v1/models entries); the rest of the replies' schemas are written
-here from spec/API.md and lse_core/protocol.py. Its schemas are JSON Schema 2020-12; the server tests validate
-real responses against them, so a change to a reply's shape must change this file too."""
+that build them (REPLY_TYPES: usage, timings, lse_context, lse_warnings entries, /tokenize's and /detokenize's
+answers, the error body, /v1/models and its entries, count_tokens, embeddings, CPU-fallback counters, /health);
+the rest of the replies' schemas are written here from spec/API.md and lse_core/protocol.py. Its schemas are
+JSON Schema 2020-12; the server tests validate real responses against them, so a change to a reply's shape must
+change this file too."""
 
 from __future__ import annotations
 
@@ -12,13 +13,17 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
+from lse_core import protocol
 from lse_core.adapters.anthropic import CountTokensRequest, MessagesRequest
 from lse_core.adapters.common import TOKEN_ID_MARK, WIDTH_MARK
 from lse_core.adapters.openai import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeBody
 from lse_core.adapters.responses import ResponsesRequest
 from lse_core.config import KV_CACHE_TYPES
-from lse_core.embeddings import EmbeddingsRequest
-from lse_core.protocol import MODEL_STATE_SCHEMA, REPLY_PARTS
+from lse_core.embeddings import EmbeddingList, EmbeddingsRequest
+from lse_core.errors import Error
+from lse_core.fallback import CPUFallback
+from lse_core.limits import LSEContext
+from lse_core.protocol import MODEL_STATE_SCHEMA
 
 
 def ref(name: str) -> dict[str, str]:
@@ -138,8 +143,6 @@ SCHEMAS: dict[str, Any] = {
         "max_new_tokens": nullable(INTEGER), "max_length": nullable(INTEGER),
         "sources": {"type": "object", "additionalProperties": {
             "enum": ["generation_config.json", "config.json", "server_option", "lse_default"]}}}),
-    "ModelList": obj(["object", "data"], {"object": {"const": "list"}, "data": {"type": "array",
-                                                                               "items": ref("Model")}}),
     "Device": obj(["name", "kind", "codegen", "description"], {
         "name": STRING, "kind": {"enum": ["gpu", "cpu", "accelerator"]}, "codegen": BOOLEAN,
         "description": STRING}),
@@ -157,10 +160,6 @@ SCHEMAS: dict[str, Any] = {
         "models": {"type": "array", "items": obj(["model", "state"], MODEL_STATUS)}},
         description="the asked for (or default) model's status; each model's under models"),
     "KVCacheType": {"enum": list(KV_CACHE_TYPES)},
-    "CPUFallback": obj(["allowed", "total", "events"], {
-        "allowed": BOOLEAN, "total": COUNT,
-        "events": {"type": "array", "items": obj(["cause", "count"], {"cause": STRING, "count": COUNT})}}),
-    "Health": obj(["status"], {"status": {"enum": ["ok", "loading"]}}),
 }
 
 # ---- the other APIs' replies ----
@@ -218,24 +217,21 @@ REPLY_SCHEMAS: dict[str, Any] = {
             "message": STRING, "code": nullable(STRING), "param": nullable(STRING),
             "levels": {"type": "array", "items": STRING}, "lse_context": ref("LSEContext"),
             "models": {"type": "array", "items": STRING}})}),
-    "TokenCount": obj(["input_tokens"], {"input_tokens": COUNT}),
-    "EmbeddingList": obj(["object", "data", "model", "usage"], {
-        "object": {"const": "list"}, "model": STRING,
-        "data": {"type": "array", "items": obj(["object", "index", "embedding"], {
-            "object": {"const": "embedding"}, "index": COUNT,
-            "embedding": {"anyOf": [{"type": "array", "items": NUMBER},
-                                    {"type": "string", "description": "base64 of little-endian float32"}]}})},
-        "usage": obj(["prompt_tokens", "total_tokens"], {"prompt_tokens": COUNT, "total_tokens": COUNT}),
-        "lse_warnings": {"type": "array", "items": ref("LSEWarning")}}),
 }
+
+
+# the replies and reply parts declared as pydantic types, whose schemas are taken as they serialize
+REPLY_TYPES = (protocol.Usage, protocol.Timings, protocol.LSEWarning, LSEContext, protocol.Tokenized,
+               protocol.Content, Error, protocol.Model, protocol.ModelList, protocol.TokenCount,
+               protocol.Health, EmbeddingList, CPUFallback)
 
 
 def model_schemas() -> dict[str, Any]:
     """Every request body as the pydantic model that checks it declares it, and the replies and reply parts
-    built from pydantic types (lse_core.protocol.REPLY_PARTS) as they serialize."""
+    built from pydantic types (REPLY_TYPES) as they serialize."""
     requests = (ChatCompletionRequest, CompletionRequest, TokenizeBody, DetokenizeRequest, ResponsesRequest,
                 MessagesRequest, CountTokensRequest, EmbeddingsRequest)
-    _, schema = models_json_schema([(m, "validation") for m in requests] + [(m, "serialization") for m in REPLY_PARTS],
+    _, schema = models_json_schema([(m, "validation") for m in requests] + [(m, "serialization") for m in REPLY_TYPES],
                                    ref_template="#/components/schemas/{model}")
     return schema["$defs"]
 
