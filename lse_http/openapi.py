@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from pydantic.json_schema import models_json_schema
+from pydantic import TypeAdapter
 
 from lse_core import protocol
 from lse_core.adapters.anthropic import CountTokensRequest, MessagesRequest
@@ -231,8 +231,9 @@ def model_schemas() -> dict[str, Any]:
     built from pydantic types (REPLY_TYPES) as they serialize."""
     requests = (ChatCompletionRequest, CompletionRequest, TokenizeBody, DetokenizeRequest, ResponsesRequest,
                 MessagesRequest, CountTokensRequest, EmbeddingsRequest)
-    _, schema = models_json_schema([(m, "validation") for m in requests] + [(m, "serialization") for m in REPLY_TYPES],
-                                   ref_template="#/components/schemas/{model}")
+    inputs = [(m, "validation", TypeAdapter(m)) for m in requests] + [
+        (m, "serialization", TypeAdapter(m)) for m in REPLY_TYPES]   # TypeAdapter: TypedDicts as well as models
+    _, schema = TypeAdapter.json_schemas(inputs, ref_template="#/components/schemas/{model}")
     return schema["$defs"]
 
 
