@@ -32,10 +32,11 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NotRequired
 
 from pydantic import Field, TypeAdapter, WithJsonSchema, computed_field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
+from typing_extensions import TypedDict  # pydantic reads typing's TypedDict only from Python 3.12
 
 from lse_core.adapters.common import REPLY_PART, Count, checked
 from lse_core.adapters.openai import (
@@ -50,7 +51,7 @@ from lse_core.adapters.openai import (
     TokenizeText,
 )
 from lse_core.errors import invalid_request
-from lse_core.limits import lse_context
+from lse_core.limits import LSEContext, lse_context
 from lse_core.sampling import GenerationDefaults
 
 # ---- requests ----
@@ -470,6 +471,147 @@ def finish_reason(choice: Choice) -> str | None:
 
 
 # ---- responses and chunks ----
+# Each reply is declared once, as the TypedDicts below: Reply builds them, and /openapi.json takes their schemas.
+# A TypedDict is a plain dict, so a streamed chunk costs no validation; a field typed with a pydantic reply part
+# (Usage, Timings, LSEContext, LSEWarning) holds that part's JSON (its to_json()).
+
+StopReason = Literal["stop_token", "stop_sequence", "max_tokens", "context_full", "cancelled"]
+FinishReason = Literal["stop", "length", "tool_calls"] | None
+One = Field(min_length=1, max_length=1)      # a reply's choices: LSE answers one
+
+
+class FunctionCall(TypedDict):
+    name: str
+    arguments: str          # JSON text
+
+
+class ToolCall(TypedDict):
+    """One entry of OpenAI's message.tool_calls."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCall):
+    index: Count            # its place among the reply's calls
+
+
+class TopLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(TypedDict):
+    content: list[ChatTokenLogprob]
+    refusal: None
+
+
+class TextLogprobs(TypedDict):
+    tokens: list[str]
+    token_logprobs: list[float | None]      # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[Count]
+
+
+class ReplyMessage(TypedDict):
+    role: Literal["assistant"]
+    content: str | None                      # None: only tool calls
+    reasoning_content: NotRequired[str]
+    tool_calls: NotRequired[list[ToolCall]]
+
+
+class ChatDelta(TypedDict, total=False):
+    role: Literal["assistant"]               # the first chunk's
+    content: str
+    reasoning_content: str
+    tool_calls: list[ToolCallDelta]
+
+
+class ChatChoice(TypedDict):
+    index: Literal[0]
+    message: ReplyMessage
+    finish_reason: FinishReason
+    stop_reason: StopReason
+    logprobs: ChatLogprobs | None
+
+
+class ChatChunkChoice(TypedDict):
+    index: Literal[0]
+    delta: ChatDelta
+    finish_reason: FinishReason
+    stop_reason: StopReason | None           # None until the final chunk
+    logprobs: ChatLogprobs | None
+
+
+class TextChoice(TypedDict):
+    index: Literal[0]
+    text: str
+    reasoning_content: NotRequired[str]
+    finish_reason: FinishReason
+    stop_reason: StopReason
+    logprobs: TextLogprobs | None
+
+
+class TextChunkChoice(TypedDict):
+    index: Literal[0]
+    text: str
+    reasoning_content: NotRequired[str]
+    finish_reason: FinishReason
+    stop_reason: StopReason | None
+    logprobs: TextLogprobs | None
+
+
+class Closing(TypedDict):
+    """What a whole reply and a stream's final chunk carry."""
+
+    lse_context: LSEContext
+    timings: Timings
+    lse_warnings: NotRequired[list[LSEWarning]]
+
+
+class ReplyEnvelope(TypedDict):
+    id: str
+    created: int
+    model: str
+
+
+class ChatCompletion(ReplyEnvelope, Closing):
+    object: Literal["chat.completion"]
+    choices: Annotated[list[ChatChoice], One]
+    usage: Usage
+
+
+class TextCompletion(ReplyEnvelope, Closing):
+    object: Literal["text_completion"]
+    choices: Annotated[list[TextChoice], One]
+    usage: Usage
+
+
+class ChunkEnvelope(ReplyEnvelope):
+    """A streamed chunk: a delta (stop_reason null), the final chunk (finish and stop_reason, and Closing's
+    fields) or, with stream_options.include_usage, the usage chunk (choices empty; usage null on the others)."""
+
+    usage: NotRequired[Usage | None]
+    lse_context: NotRequired[LSEContext]
+    timings: NotRequired[Timings]
+    lse_warnings: NotRequired[list[LSEWarning]]
+
+
+class ChatCompletionChunk(ChunkEnvelope):
+    object: Literal["chat.completion.chunk"]
+    choices: Annotated[list[ChatChunkChoice], Field(max_length=1)]
+
+
+class TextCompletionChunk(ChunkEnvelope):
+    object: Literal["text_completion"]
+    choices: Annotated[list[TextChunkChoice], Field(max_length=1)]
+
 
 class Reply:
     """The JSON of one reply, whole or streamed. Every chunk repeats the id, created and model."""
@@ -483,99 +625,94 @@ class Reply:
         self._role_sent = False    # a chat stream's first chunk carries the role
         self._stream_offsets = TextOffsets()   # a stream's text_offset counts across chunks
 
-    def response(self, outcome: Outcome) -> dict[str, Any]:
+    def response(self, outcome: Outcome) -> ChatCompletion | TextCompletion:
         """A chat.completion or text_completion object."""
         choice = outcome.choice
+        ending = {"finish_reason": finish_reason(choice), "stop_reason": choice.stop_reason,
+                  "logprobs": self._logprobs(choice.logprobs or [], TextOffsets())}
+        whole = {**self._envelope(), "usage": outcome.usage.to_json(), **self._closing(outcome)}
         if self.chat:
-            message: dict[str, Any] = {"role": "assistant",
-                                       "content": None if choice.tool_calls and not choice.text else choice.text}
+            message = ReplyMessage(role="assistant",
+                                   content=None if choice.tool_calls and not choice.text else choice.text)
             if choice.reasoning is not None:
                 message["reasoning_content"] = choice.reasoning
             if choice.tool_calls:
                 message["tool_calls"] = choice.tool_calls
-            shaped: dict[str, Any] = {"index": 0, "message": message}
-        else:
-            shaped = {"index": 0, "text": choice.text}
-            if choice.reasoning is not None:
-                shaped["reasoning_content"] = choice.reasoning
-        shaped |= {"finish_reason": finish_reason(choice), "stop_reason": choice.stop_reason,
-                   "logprobs": self._logprobs(choice.logprobs or [], TextOffsets())}
-        body = self._envelope("chat.completion" if self.chat else "text_completion", [shaped])
-        body["usage"] = outcome.usage.to_json()
-        return body | self._closing(outcome)
+            return ChatCompletion(**whole, object="chat.completion",
+                                  choices=[ChatChoice(index=0, message=message, **ending)])
+        text = TextChoice(index=0, text=choice.text, **ending)
+        if choice.reasoning is not None:
+            text["reasoning_content"] = choice.reasoning
+        return TextCompletion(**whole, object="text_completion", choices=[text])
 
     def chunk(self, text: str = "", reasoning: str = "", logprobs: list[TokenLogprob] | None = None,
-              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+              tool_calls: list[ToolCall] | None = None) -> ChatCompletionChunk | TextCompletionChunk:
         """One streamed delta. The first chat chunk carries the role; tool calls come whole, in one chunk."""
-        if self.chat:
-            delta: dict[str, Any] = {}
-            if not self._role_sent:
-                delta["role"] = "assistant"
-            if text or not self._role_sent:
-                delta["content"] = text
-            if reasoning:
-                delta["reasoning_content"] = reasoning
-            if tool_calls:
-                delta["tool_calls"] = [{"index": i} | call for i, call in enumerate(tool_calls)]
-            self._role_sent = True
-            shaped: dict[str, Any] = {"index": 0, "delta": delta}
-        else:
-            shaped = {"index": 0, "text": text}
+        ending = {"logprobs": self._logprobs(logprobs or [], self._stream_offsets), "finish_reason": None,
+                  "stop_reason": None}
+        if not self.chat:
+            shaped = TextChunkChoice(index=0, text=text, **ending)
             if reasoning:
                 shaped["reasoning_content"] = reasoning
-        shaped |= {"logprobs": self._logprobs(logprobs or [], self._stream_offsets),
-                   "finish_reason": None, "stop_reason": None}
-        return self._stream_envelope([shaped])
+            return self._chunk([shaped])
+        delta = ChatDelta()
+        if not self._role_sent:
+            delta["role"] = "assistant"
+        if text or not self._role_sent:
+            delta["content"] = text
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if tool_calls:
+            delta["tool_calls"] = [ToolCallDelta(index=i, **call) for i, call in enumerate(tool_calls)]
+        self._role_sent = True
+        return self._chunk([ChatChunkChoice(index=0, delta=delta, **ending)])
 
-    def final_chunks(self, outcome: Outcome) -> list[dict[str, Any]]:
+    def final_chunks(self, outcome: Outcome) -> list[ChatCompletionChunk | TextCompletionChunk]:
         """The end of a stream: the chunk with finish_reason, stop_reason, lse_context, timings and
         lse_warnings, then the usage chunk when stream_options.include_usage (preceded by the role
         chunk when no delta was sent)."""
         chunks = [] if self._role_sent or not self.chat else [self.chunk()]
         choice = outcome.choice
-        shaped: dict[str, Any] = {"index": 0, "delta": {}} if self.chat else {"index": 0, "text": ""}
-        shaped |= {"logprobs": None, "finish_reason": finish_reason(choice), "stop_reason": choice.stop_reason}
-        chunks.append(self._stream_envelope([shaped]) | self._closing(outcome))
+        ending = {"logprobs": None, "finish_reason": finish_reason(choice), "stop_reason": choice.stop_reason}
+        shaped = ChatChunkChoice(index=0, delta=ChatDelta(), **ending) if self.chat else \
+            TextChunkChoice(index=0, text="", **ending)
+        chunks.append(self._chunk([shaped]) | self._closing(outcome))
         if self.request.include_usage:
-            chunks.append(self._envelope(self._chunk_object, []) | {"usage": outcome.usage.to_json()})
+            chunks.append(self._chunk([]) | {"usage": outcome.usage.to_json()})
         return chunks
 
-    @property
-    def _chunk_object(self) -> str:
-        return "chat.completion.chunk" if self.chat else "text_completion"
+    def _envelope(self) -> ReplyEnvelope:
+        return ReplyEnvelope(id=self.id, created=self.created, model=self.model)
 
-    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
-
-    def _stream_envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        body = self._envelope(self._chunk_object, choices)
+    def _chunk(self, choices: list[ChatChunkChoice] | list[TextChunkChoice]
+               ) -> ChatCompletionChunk | TextCompletionChunk:
+        chunk = ChatCompletionChunk(**self._envelope(), object="chat.completion.chunk", choices=choices) \
+            if self.chat else TextCompletionChunk(**self._envelope(), object="text_completion", choices=choices)
         if self.request.include_usage:   # as OpenAI: usage null on every chunk but the usage chunk
-            body["usage"] = None
-        return body
+            chunk["usage"] = None
+        return chunk
 
-    def _closing(self, outcome: Outcome) -> dict[str, Any]:
+    def _closing(self, outcome: Outcome) -> Closing:
         used = outcome.usage.prompt_tokens + outcome.usage.completion_tokens
-        closing: dict[str, Any] = {"lse_context": lse_context(used, outcome.context_length),
-                                   "timings": outcome.timings.to_json()}
+        closing = Closing(lse_context=lse_context(used, outcome.context_length), timings=outcome.timings.to_json())
         if outcome.warnings:
             closing["lse_warnings"] = [w.to_json() for w in outcome.warnings]
         return closing
 
-    def _logprobs(self, tokens: list[TokenLogprob], offsets: TextOffsets) -> dict[str, Any] | None:
+    def _logprobs(self, tokens: list[TokenLogprob], offsets: TextOffsets) -> ChatLogprobs | TextLogprobs | None:
         """OpenAI's logprobs object for these tokens; null when the request asked for none."""
         if not self.request.logprobs:
             return None
         if self.chat:
-            return {"content": [_chat_logprob(t.token, t.logprob) | {
-                "top_logprobs": [_chat_logprob(token, logprob) for token, logprob in t.top]} for t in tokens],
-                "refusal": None}
-        return {"tokens": [token_text(t.token) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [{token_text(token): logprob for token, logprob in t.top} for t in tokens],
-                "text_offset": offsets.of(tokens)}
+            return ChatLogprobs(content=[ChatTokenLogprob(**_top_logprob(t.token, t.logprob), top_logprobs=[
+                _top_logprob(token, logprob) for token, logprob in t.top]) for t in tokens], refusal=None)
+        return TextLogprobs(tokens=[token_text(t.token) for t in tokens], token_logprobs=[t.logprob for t in tokens],
+                            top_logprobs=[{token_text(token): logprob for token, logprob in t.top} for t in tokens],
+                            text_offset=offsets.of(tokens))
 
 
-def _chat_logprob(token: bytes, logprob: float | None) -> dict[str, Any]:
-    return {"token": token_text(token), "logprob": logprob, "bytes": list(token)}
+def _top_logprob(token: bytes, logprob: float) -> TopLogprob:
+    return TopLogprob(token=token_text(token), logprob=logprob, bytes=list(token))
 
 
 @pydantic_dataclass(frozen=True)

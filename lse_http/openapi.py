@@ -1,7 +1,8 @@
 """The OpenAPI 3.1 document served at /openapi.json. Every request body's schema comes from the pydantic
 model that checks it (lse_core.adapters), and so do the replies and reply parts declared as the pydantic types
-that build them (REPLY_TYPES: usage, timings, lse_context, lse_warnings entries, /tokenize's and /detokenize's
-answers, the error body, /v1/models and its entries, count_tokens, embeddings, CPU-fallback counters, /health);
+or TypedDicts that build them (REPLY_TYPES: chat and text completions and their chunks, usage, timings,
+lse_context, lse_warnings entries, /tokenize's and /detokenize's answers, the error body, /v1/models and its
+entries, count_tokens, embeddings, CPU-fallback counters, /health);
 the rest of the replies' schemas are written here from spec/API.md and lse_core/protocol.py. Its schemas are
 JSON Schema 2020-12; the server tests validate real responses against them, so a change to a reply's shape must
 change this file too."""
@@ -53,7 +54,6 @@ def json_body(schema: dict[str, Any], description: str) -> dict[str, Any]:
 STRING, INTEGER, NUMBER, BOOLEAN = ({"type": t} for t in ("string", "integer", "number", "boolean"))
 COUNT = {"type": "integer", "minimum": 0}
 STOP_REASON = {"enum": ["stop_token", "stop_sequence", "max_tokens", "context_full", "cancelled"]}
-FINISH_REASON = {"enum": ["stop", "length", "tool_calls", None]}
 ERROR_STATUSES = (400, 401, 403, 404, 413, 415, 500, 503)
 ERRORS = {str(status): {"$ref": f"#/components/responses/Error{status}"} for status in ERROR_STATUSES}
 
@@ -62,36 +62,6 @@ CLOSING = {   # what a whole response and a stream's final chunk carry
     "timings": ref("Timings"),
     "lse_warnings": {"type": "array", "items": ref("LSEWarning")},
 }
-
-CHAT_MESSAGE = obj(["role", "content"], {
-    "role": {"const": "assistant"}, "content": nullable(STRING), "reasoning_content": STRING,
-    "tool_calls": {"type": "array", "items": {"type": "object"}}})
-CHAT_DELTA = obj([], {"role": {"const": "assistant"}, "content": STRING, "reasoning_content": STRING,
-                      "tool_calls": {"type": "array", "items": {"type": "object"}}})
-LOGPROBS = nullable({"type": "object"})
-
-
-def completion_object(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
-    return obj(["id", "object", "created", "model", "choices", "usage", "lse_context", "timings"], {
-        "id": STRING, "object": {"const": kind}, "created": INTEGER, "model": STRING,
-        "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": choice},
-        "usage": ref("Usage"), **CLOSING})
-
-
-def chunk_object(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
-    """A streamed chunk: a delta (stop_reason null), the final chunk (finish/stop_reason, lse_context,
-    timings) or the usage chunk (choices empty)."""
-    return obj(["id", "object", "created", "model", "choices"], {
-        "id": STRING, "object": {"const": kind}, "created": INTEGER, "model": STRING,
-        "choices": {"type": "array", "maxItems": 1, "items": choice},
-        "usage": nullable(ref("Usage")), **CLOSING})
-
-
-def choice(required: list[str], content: dict[str, Any], stop_reason: dict[str, Any]) -> dict[str, Any]:
-    return obj(["index", *required, "finish_reason", "stop_reason", "logprobs"],
-               {"index": {"const": 0}, **content, "finish_reason": FINISH_REASON, "stop_reason": stop_reason,
-                "logprobs": LOGPROBS})
-
 
 MODEL_STATUS = {   # one model's lse_status: its state, and while it is loaded its engine's
     "state": MODEL_STATE_SCHEMA, "reason": nullable(STRING), "requests": COUNT, "queued": COUNT,
@@ -121,14 +91,6 @@ MODEL_STATUS = {   # one model's lse_status: its state, and while it is loaded i
 }
 
 SCHEMAS: dict[str, Any] = {
-    "ChatCompletion": completion_object("chat.completion", choice(["message"], {"message": CHAT_MESSAGE},
-                                                                  STOP_REASON)),
-    "ChatCompletionChunk": chunk_object("chat.completion.chunk", choice(["delta"], {"delta": CHAT_DELTA},
-                                                                        nullable(STOP_REASON))),
-    "TextCompletion": completion_object("text_completion", choice(["text"], {
-        "text": STRING, "reasoning_content": STRING}, STOP_REASON)),
-    "TextCompletionChunk": chunk_object("text_completion", choice(["text"], {
-        "text": STRING, "reasoning_content": STRING}, nullable(STOP_REASON))),
     "Thinking": obj(["supported", "source", "toggle", "effort", "default_level", "levels"], {
         "supported": BOOLEAN, "source": nullable(STRING), "toggle": nullable({"const": "enable_thinking"}),
         "effort": nullable({"const": "reasoning_effort"}), "default_level": nullable(STRING),
@@ -223,7 +185,8 @@ REPLY_SCHEMAS: dict[str, Any] = {
 # the replies and reply parts declared as pydantic types, whose schemas are taken as they serialize
 REPLY_TYPES = (protocol.Usage, protocol.Timings, protocol.LSEWarning, LSEContext, protocol.Tokenized,
                protocol.Content, Error, protocol.Model, protocol.ModelList, protocol.TokenCount,
-               protocol.Health, EmbeddingList, CPUFallback)
+               protocol.Health, EmbeddingList, CPUFallback, protocol.ChatCompletion, protocol.ChatCompletionChunk,
+               protocol.TextCompletion, protocol.TextCompletionChunk)
 
 
 def model_schemas() -> dict[str, Any]:
