@@ -2,10 +2,11 @@
 model that checks it (lse_core.adapters), and so do the replies and reply parts declared as the pydantic types
 or TypedDicts that build them (REPLY_TYPES: chat and text completions and their chunks, usage, timings,
 lse_context, lse_warnings entries, /tokenize's and /detokenize's answers, the error body, /v1/models and its
-entries, count_tokens, embeddings, CPU-fallback counters, /health);
-the rest of the replies' schemas are written here from spec/API.md and lse_core/protocol.py. Its schemas are
-JSON Schema 2020-12; the server tests validate real responses against them, so a change to a reply's shape must
-change this file too."""
+entries, count_tokens, embeddings, CPU-fallback counters, /health; the Responses API's response, its stream
+events and DELETE's answer; the Messages API's message, its stream events and its error body);
+the rest of the replies' schemas (model_info and lse_status, with their parts) are written here from
+spec/API.md. Its schemas are JSON Schema 2020-12; the server tests validate real responses against them, so a
+change to a hand-written reply's shape must change this file too."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 from pydantic import TypeAdapter
 
 from lse_core import protocol
+from lse_core.adapters import anthropic, responses
 from lse_core.adapters.anthropic import CountTokensRequest, MessagesRequest
 from lse_core.adapters.common import TOKEN_ID_MARK, WIDTH_MARK
 from lse_core.adapters.openai import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeBody
@@ -53,15 +55,8 @@ def json_body(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 STRING, INTEGER, NUMBER, BOOLEAN = ({"type": t} for t in ("string", "integer", "number", "boolean"))
 COUNT = {"type": "integer", "minimum": 0}
-STOP_REASON = {"enum": ["stop_token", "stop_sequence", "max_tokens", "context_full", "cancelled"]}
 ERROR_STATUSES = (400, 401, 403, 404, 413, 415, 500, 503)
 ERRORS = {str(status): {"$ref": f"#/components/responses/Error{status}"} for status in ERROR_STATUSES}
-
-CLOSING = {   # what a whole response and a stream's final chunk carry
-    "lse_context": ref("LSEContext"),
-    "timings": ref("Timings"),
-    "lse_warnings": {"type": "array", "items": ref("LSEWarning")},
-}
 
 MODEL_STATUS = {   # one model's lse_status: its state, and while it is loaded its engine's
     "state": MODEL_STATE_SCHEMA, "reason": nullable(STRING), "requests": COUNT, "queued": COUNT,
@@ -124,69 +119,13 @@ SCHEMAS: dict[str, Any] = {
     "KVCacheType": {"enum": list(KV_CACHE_TYPES)},
 }
 
-# ---- the other APIs' replies ----
-
-def text_part(kind: str, **more: Any) -> dict[str, Any]:
-    return obj(["type", "text"], {"type": {"const": kind}, "text": STRING, **more})
-
-
-RESPONSE_ITEM = {"anyOf": [
-    obj(["type", "id", "role", "status", "content"], {
-        "type": {"const": "message"}, "id": STRING, "role": {"const": "assistant"}, "status": STRING,
-        "content": {"type": "array", "items": text_part("output_text", annotations={"type": "array"})}}),
-    obj(["type", "id", "summary", "content"], {
-        "type": {"const": "reasoning"}, "id": STRING, "summary": {"type": "array"},
-        "content": {"type": "array", "items": text_part("reasoning_text")}}),
-    obj(["type", "id", "call_id", "name", "arguments", "status"], {
-        "type": {"const": "function_call"}, "id": STRING, "call_id": STRING, "name": STRING, "arguments": STRING,
-        "status": STRING})]}
-CONTENT_BLOCK = {"anyOf": [
-    text_part("text"),
-    obj(["type", "thinking", "signature"], {"type": {"const": "thinking"}, "thinking": STRING, "signature": STRING}),
-    obj(["type", "id", "name", "input"], {"type": {"const": "tool_use"}, "id": STRING, "name": STRING,
-                                          "input": {"type": "object"}})]}
-ANTHROPIC_USAGE = obj(["input_tokens", "output_tokens"], {
-    "input_tokens": COUNT, "output_tokens": COUNT, "cache_read_input_tokens": COUNT,
-    "cache_creation_input_tokens": COUNT})
-
-REPLY_SCHEMAS: dict[str, Any] = {
-    "Response": obj(["id", "object", "created_at", "status", "model", "output", "usage"], {
-        "id": STRING, "object": {"const": "response"}, "created_at": INTEGER,
-        "status": {"enum": ["completed", "incomplete", "cancelled", "in_progress"]},
-        "incomplete_details": nullable(obj(["reason"], {"reason": {"const": "max_output_tokens"}})),
-        "model": STRING, "output": {"type": "array", "items": RESPONSE_ITEM},
-        "previous_response_id": nullable(STRING),
-        "usage": nullable(obj(["input_tokens", "input_tokens_details", "output_tokens", "total_tokens"], {
-            "input_tokens": COUNT, "input_tokens_details": obj(["cached_tokens"], {"cached_tokens": COUNT}),
-            "output_tokens": COUNT, "output_tokens_details": obj(["reasoning_tokens"], {"reasoning_tokens": COUNT}),
-            "total_tokens": COUNT})),
-        "stop_reason": STOP_REASON, **CLOSING}),
-    "ResponseStreamEvent": obj(["type", "sequence_number"], {"type": STRING, "sequence_number": COUNT},
-                               description="response.created ... response.completed, as the openai SDK reads them"),
-    "Message": obj(["id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage"], {
-        "id": STRING, "type": {"const": "message"}, "role": {"const": "assistant"}, "model": STRING,
-        "content": {"type": "array", "items": CONTENT_BLOCK},
-        "stop_reason": nullable({"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use",
-                                          "model_context_window_exceeded"]}),
-        "stop_sequence": nullable(STRING), "usage": ANTHROPIC_USAGE, "lse_stop_reason": STOP_REASON, **CLOSING}),
-    "MessageStreamEvent": obj(["type"], {"type": {"enum": [
-        "message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
-        "message_stop", "error"]}}),
-    "AnthropicError": obj(["type", "error"], {"type": {"const": "error"}, "error": obj(
-        ["type", "message", "code", "param"], {
-            "type": {"enum": ["invalid_request_error", "authentication_error", "permission_error", "not_found_error",
-                              "request_too_large", "rate_limit_error", "overloaded_error", "api_error"]},
-            "message": STRING, "code": nullable(STRING), "param": nullable(STRING),
-            "levels": {"type": "array", "items": STRING}, "lse_context": ref("LSEContext"),
-            "models": {"type": "array", "items": STRING}})}),
-}
-
-
-# the replies and reply parts declared as pydantic types, whose schemas are taken as they serialize
+# the replies and reply parts declared as pydantic types or TypedDicts, whose schemas are taken as they
+# serialize; a stream's events are a named union alias (TypeAliasType), which pydantic makes a component of
 REPLY_TYPES = (protocol.Usage, protocol.Timings, protocol.LSEWarning, LSEContext, protocol.Tokenized,
                protocol.Content, Error, protocol.Model, protocol.ModelList, protocol.TokenCount,
                protocol.Health, EmbeddingList, CPUFallback, protocol.ChatCompletion, protocol.ChatCompletionChunk,
-               protocol.TextCompletion, protocol.TextCompletionChunk)
+               protocol.TextCompletion, protocol.TextCompletionChunk, responses.Response, responses.ResponseStreamEvent,
+               responses.DeletedResponse, anthropic.Message, anthropic.MessageStreamEvent, anthropic.AnthropicError)
 
 
 def model_schemas() -> dict[str, Any]:
@@ -282,7 +221,7 @@ OPENAPI: dict[str, Any] = {
              "description": "LSE's OpenAI-compatible API, with LSE's own fields (stop_reason, lse_context, "
                             "timings, lse_warnings, thinking levels, generation defaults)."},
     "components": {
-        "schemas": _merged(SCHEMAS, REPLY_SCHEMAS, model_schemas()),
+        "schemas": _merged(SCHEMAS, model_schemas()),
         "responses": {f"Error{status}": json_body(ref("Error"), text) for status, text in ERROR_TEXT.items()},
         "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer",
                                        "description": "only when lse-server runs with --api-key"},
@@ -300,8 +239,7 @@ OPENAPI: dict[str, Any] = {
         "/v1/responses/{response_id}": {
             **get("A stored response (made with store, among the last 256)", "Response", 404),
             "delete": {"summary": "Forget a stored response", "responses": {
-                "200": json_body(obj(["id", "object", "deleted"], {
-                    "id": STRING, "object": {"const": "response.deleted"}, "deleted": {"const": True}}), "deleted"),
+                "200": json_body(ref("DeletedResponse"), "deleted"),
                 **{str(s): ERRORS[str(s)] for s in (*GET_ERRORS, 404)}}},
             "parameters": [{"name": "response_id", "in": "path", "required": True, "schema": STRING}]},
         "/v1/messages": typed_stream_path("Anthropic Messages (errors in Anthropic's shape)", "MessagesRequest",

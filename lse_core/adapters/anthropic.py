@@ -12,14 +12,16 @@ import copy
 import json
 import uuid
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NotRequired
 
 from pydantic import Field
+from typing_extensions import TypeAliasType, TypedDict  # pydantic reads typing's TypedDict only from Python 3.12
 
 from lse_core.adapters.common import (
     Body,
     CoreDelta,
     CoreEnd,
+    Count,
     Integer,
     Part,
     Positive,
@@ -28,14 +30,21 @@ from lse_core.adapters.common import (
     pass_through,
     renamed_param,
 )
+from lse_core.limits import LSEContext
+from lse_core.protocol import Closing, StopReason
 
 # Chat fields as a Messages body names them, for the core's errors.
 PARAMS = {"stop": "stop_sequences", "stop[": "stop_sequences[", "reasoning_effort": "output_config.effort",
           "response_format": "output_config.format", "thinking_budget": "thinking.budget_tokens"}
-STOP_REASONS = {"stop_token": "end_turn", "stop_sequence": "stop_sequence", "max_tokens": "max_tokens",
-                "context_full": "model_context_window_exceeded", "cancelled": None}
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+MessageStopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded"]
+STOP_REASONS: dict[str, MessageStopReason | None] = {
+    "stop_token": "end_turn", "stop_sequence": "stop_sequence", "max_tokens": "max_tokens",
+    "context_full": "model_context_window_exceeded", "cancelled": None}
+ErrorType = Literal["invalid_request_error", "authentication_error", "permission_error", "not_found_error",
+                    "request_too_large", "rate_limit_error", "overloaded_error", "api_error"]
+ERROR_TYPES: dict[int, ErrorType] = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}   # any other: api_error
 
 
 # ---- the request ----
@@ -205,11 +214,11 @@ def start(body: Any, model_id: str) -> tuple[dict[str, Any], MessagesTranslation
     return chat, MessagesTranslation(req, model_id)
 
 
-def error_body(body: dict[str, Any], status: int) -> dict[str, Any]:
+def error_body(body: dict[str, Any], status: int) -> AnthropicError:
     """An LSEError body in Anthropic's shape, its type from the HTTP status; LSE's code, param and extra
     fields (levels, lse_context) are kept."""
     error = {k: v for k, v in renamed_param(body, PARAMS)["error"].items() if k != "type"}
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), **error}}
+    return AnthropicError(type="error", error=AnthropicErrorDetail(type=ERROR_TYPES.get(status, "api_error"), **error))
 
 
 def model_list(entries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -223,6 +232,139 @@ def model_list(entries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # ---- the reply ----
+# Declared once, as the TypedDicts below (lse_core.protocol's convention): the translation builds them and
+# /openapi.json takes their schemas. A TypedDict is a plain dict, so a stream event costs no validation.
+
+class TextContentBlock(TypedDict):
+    type: Literal["text"]
+    text: str
+
+
+class ThinkingContentBlock(TypedDict):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str                      # always empty: LSE signs nothing
+
+
+class ToolUseContentBlock(TypedDict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]               # the call's arguments
+
+
+ContentBlock = Annotated[TextContentBlock | ThinkingContentBlock | ToolUseContentBlock, Field(discriminator="type")]
+
+
+class AnthropicUsage(TypedDict):
+    input_tokens: Count                 # the prompt's uncached tokens
+    output_tokens: Count
+    cache_read_input_tokens: NotRequired[Count]       # the finished message's
+    cache_creation_input_tokens: NotRequired[Count]
+
+
+class MessageSnapshot(TypedDict):
+    """The message with Anthropic's fields: empty in message_start, finished as a Message."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[ContentBlock]
+    stop_reason: MessageStopReason | None       # None: not finished, or cancelled
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class Message(MessageSnapshot, Closing):
+    """A finished message, with LSE's stop_reason (as lse_stop_reason), lse_context, timings and lse_warnings."""
+
+    lse_stop_reason: StopReason
+
+
+class MessageStartEvent(TypedDict):
+    type: Literal["message_start"]
+    message: MessageSnapshot
+
+
+class PingEvent(TypedDict):
+    type: Literal["ping"]
+
+
+class ContentBlockStartEvent(TypedDict):
+    type: Literal["content_block_start"]
+    index: Count
+    content_block: ContentBlock
+
+
+class TextDelta(TypedDict):
+    type: Literal["text_delta"]
+    text: str
+
+
+class ThinkingDelta(TypedDict):
+    type: Literal["thinking_delta"]
+    thinking: str
+
+
+class InputJSONDelta(TypedDict):
+    type: Literal["input_json_delta"]
+    partial_json: str                   # the whole arguments: a call comes whole
+
+
+class ContentBlockDeltaEvent(TypedDict):
+    type: Literal["content_block_delta"]
+    index: Count
+    delta: Annotated[TextDelta | ThinkingDelta | InputJSONDelta, Field(discriminator="type")]
+
+
+class ContentBlockStopEvent(TypedDict):
+    type: Literal["content_block_stop"]
+    index: Count
+
+
+class MessageDelta(TypedDict):
+    stop_reason: MessageStopReason | None
+    stop_sequence: str | None
+
+
+class MessageDeltaEvent(Closing):
+    """The message's ending, with the finished Message's usage and LSE's fields."""
+
+    type: Literal["message_delta"]
+    delta: MessageDelta
+    usage: AnthropicUsage
+    lse_stop_reason: StopReason
+
+
+class MessageStopEvent(TypedDict):
+    type: Literal["message_stop"]
+
+
+class AnthropicErrorDetail(TypedDict):
+    """An LSE error's fields (lse_core.errors.ErrorDetail), its type one of Anthropic's."""
+
+    type: ErrorType
+    message: str
+    code: str | None
+    param: str | None
+    levels: NotRequired[list[str]]
+    lse_context: NotRequired[LSEContext]
+    models: NotRequired[list[str]]
+
+
+class AnthropicError(TypedDict):
+    """Anthropic's error body, also the error event that ends a stream whose request fails after it began."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+# a named alias: /openapi.json names it as a component, whose schema is the union
+MessageStreamEvent = TypeAliasType("MessageStreamEvent", Annotated[
+    MessageStartEvent | PingEvent | ContentBlockStartEvent | ContentBlockDeltaEvent | ContentBlockStopEvent
+    | MessageDeltaEvent | MessageStopEvent | AnthropicError, Field(discriminator="type")])
+
 
 class MessagesTranslation:
     """The core's deltas as content blocks and stream events; the whole message at the end."""
@@ -232,16 +374,16 @@ class MessagesTranslation:
         self.stream = bool(req.stream)
         self.id = f"msg_{uuid.uuid4().hex}"
         self.model = req.model or model_id
-        self.content: list[dict[str, Any]] = []
-        self.open: dict[str, Any] | None = None    # the thinking or text block being written
+        self.content: list[ContentBlock] = []
+        self.open: TextContentBlock | ThinkingContentBlock | None = None    # the block being written
         self.started = False
 
-    def feed(self, delta: CoreDelta, prompt_tokens: int = 0) -> list[dict[str, Any]]:
-        events = []
+    def feed(self, delta: CoreDelta, prompt_tokens: int = 0) -> list[MessageStreamEvent]:
+        events: list[MessageStreamEvent] = []
         if not self.started:
             self.started = True
-            start = self._message([], None, {"input_tokens": prompt_tokens, "output_tokens": 0})
-            events += [{"type": "message_start", "message": start}, {"type": "ping"}]
+            start = self._message([], None, AnthropicUsage(input_tokens=prompt_tokens, output_tokens=0))
+            events += [MessageStartEvent(type="message_start", message=start), PingEvent(type="ping")]
         if delta.reasoning:
             events += self._write("thinking", delta.reasoning)
         if delta.content:
@@ -249,55 +391,65 @@ class MessagesTranslation:
         for call in delta.tool_calls:
             events += self._close()
             function = call["function"]
-            block = {"type": "tool_use", "id": call["id"], "name": function["name"], "input": {}}
+            block = ToolUseContentBlock(type="tool_use", id=call["id"], name=function["name"], input={})
             events += self._start_block(block)
             block["input"] = json.loads(function["arguments"])
             index = len(self.content) - 1
-            events += [{"type": "content_block_delta", "index": index,
-                        "delta": {"type": "input_json_delta", "partial_json": function["arguments"]}},
-                       {"type": "content_block_stop", "index": index}]
+            events += [ContentBlockDeltaEvent(type="content_block_delta", index=index, delta=InputJSONDelta(
+                           type="input_json_delta", partial_json=function["arguments"])),
+                       ContentBlockStopEvent(type="content_block_stop", index=index)]
         return events
 
-    def _start_block(self, block: dict[str, Any]) -> list[dict[str, Any]]:
+    def _start_block(self, block: ContentBlock) -> list[MessageStreamEvent]:
         self.content.append(block)
-        return [{"type": "content_block_start", "index": len(self.content) - 1, "content_block": copy.deepcopy(block)}]
+        return [ContentBlockStartEvent(type="content_block_start", index=len(self.content) - 1,
+                                       content_block=copy.deepcopy(block))]   # a copy: the block is written on
 
-    def _write(self, kind: str, text: str) -> list[dict[str, Any]]:
+    def _write(self, kind: Literal["thinking", "text"], text: str) -> list[MessageStreamEvent]:
         events = []
         if self.open is None or self.open["type"] != kind:
             events += self._close()
-            self.open = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" \
-                else {"type": "text", "text": ""}
+            self.open = ThinkingContentBlock(type="thinking", thinking="", signature="") if kind == "thinking" \
+                else TextContentBlock(type="text", text="")
             events += self._start_block(self.open)
-        self.open[kind] += text
-        return events + [{"type": "content_block_delta", "index": len(self.content) - 1,
-                          "delta": {"type": f"{kind}_delta", kind: text}}]
+        delta: TextDelta | ThinkingDelta
+        if self.open["type"] == "thinking":
+            self.open["thinking"] += text
+            delta = ThinkingDelta(type="thinking_delta", thinking=text)
+        else:
+            self.open["text"] += text
+            delta = TextDelta(type="text_delta", text=text)
+        return events + [ContentBlockDeltaEvent(type="content_block_delta", index=len(self.content) - 1,
+                                                delta=delta)]
 
-    def _close(self) -> list[dict[str, Any]]:
+    def _close(self) -> list[MessageStreamEvent]:
         if self.open is None:
             return []
         self.open = None
-        return [{"type": "content_block_stop", "index": len(self.content) - 1}]
+        return [ContentBlockStopEvent(type="content_block_stop", index=len(self.content) - 1)]
 
-    def finish(self, end: CoreEnd) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def finish(self, end: CoreEnd) -> tuple[list[MessageStreamEvent], Message]:
         events = self._close()
         stop_reason = STOP_REASONS[end.stop_reason]
         if stop_reason == "end_turn" and any(block["type"] == "tool_use" for block in self.content):
             stop_reason = "tool_use"
         stop_sequence = end.stop_string if stop_reason == "stop_sequence" else None
-        usage = {"input_tokens": end.prompt_tokens - end.cached_tokens, "output_tokens": end.completion_tokens,
-                 "cache_read_input_tokens": end.cached_tokens, "cache_creation_input_tokens": 0}
-        lse = {"lse_stop_reason": end.stop_reason} | end.lse
-        message = self._message(self.content, stop_reason, usage, stop_sequence) | lse
-        events += [{"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                    "usage": usage} | lse, {"type": "message_stop"}]
+        usage = AnthropicUsage(input_tokens=end.prompt_tokens - end.cached_tokens,
+                               output_tokens=end.completion_tokens, cache_read_input_tokens=end.cached_tokens,
+                               cache_creation_input_tokens=0)
+        message = Message(**self._message(self.content, stop_reason, usage, stop_sequence),
+                          lse_stop_reason=end.stop_reason, **end.lse)
+        events += [MessageDeltaEvent(type="message_delta", delta=MessageDelta(stop_reason=stop_reason,
+                                                                              stop_sequence=stop_sequence),
+                                     usage=usage, lse_stop_reason=end.stop_reason, **end.lse),
+                   MessageStopEvent(type="message_stop")]
         return events, message
 
-    def _message(self, content: list[dict[str, Any]], stop_reason: str | None, usage: dict[str, Any],
-                 stop_sequence: str | None = None) -> dict[str, Any]:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": copy.deepcopy(content), "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                "usage": usage}
+    def _message(self, content: list[ContentBlock], stop_reason: MessageStopReason | None, usage: AnthropicUsage,
+                 stop_sequence: str | None = None) -> MessageSnapshot:
+        return MessageSnapshot(id=self.id, type="message", role="assistant", model=self.model,
+                               content=copy.deepcopy(content), stop_reason=stop_reason, stop_sequence=stop_sequence,
+                               usage=usage)
 
-    def stream_error(self, body: dict[str, Any], status: int) -> dict[str, Any]:
+    def stream_error(self, body: dict[str, Any], status: int) -> AnthropicError:
         return error_body(body, status)

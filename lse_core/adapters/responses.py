@@ -15,11 +15,13 @@ from collections import OrderedDict
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
+from typing_extensions import TypeAliasType, TypedDict  # pydantic reads typing's TypedDict only from Python 3.12
 
 from lse_core.adapters.common import (
     Body,
     CoreDelta,
     CoreEnd,
+    Count,
     Part,
     Positive,
     checked,
@@ -27,6 +29,7 @@ from lse_core.adapters.common import (
     renamed_param,
 )
 from lse_core.errors import LSEError, invalid_request
+from lse_core.protocol import Closing, StopReason
 
 STORED_RESPONSES = 256   # conversations kept for previous_response_id; the oldest goes first
 # Chat fields as a Responses body names them, for the core's errors.
@@ -137,7 +140,7 @@ class ResponseStore:
 
     def __init__(self, size: int = STORED_RESPONSES) -> None:
         self.size = size
-        self._stored: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = OrderedDict()
+        self._stored: OrderedDict[str, tuple[list[dict[str, Any]], Response]] = OrderedDict()
         self._lock = threading.Lock()
 
     def conversation(self, response_id: str) -> list[dict[str, Any]]:
@@ -149,7 +152,7 @@ class ResponseStore:
                                   "previous_response_not_found", "previous_response_id")
         return copy.deepcopy(stored[0])
 
-    def response(self, response_id: str) -> dict[str, Any]:
+    def response(self, response_id: str) -> Response:
         """GET /v1/responses/{id}: the response object; 404 response_not_found."""
         with self._lock:
             stored = self._stored.get(response_id)
@@ -157,15 +160,15 @@ class ResponseStore:
             raise self._not_found(response_id)
         return copy.deepcopy(stored[1])
 
-    def delete(self, response_id: str) -> dict[str, Any]:
+    def delete(self, response_id: str) -> DeletedResponse:
         """DELETE /v1/responses/{id}: forget it (a later previous_response_id naming it gets 400)."""
         with self._lock:
             stored = self._stored.pop(response_id, None)
         if stored is None:
             raise self._not_found(response_id)
-        return {"id": response_id, "object": "response.deleted", "deleted": True}
+        return DeletedResponse(id=response_id, object="response.deleted", deleted=True)
 
-    def put(self, response_id: str, messages: list[dict[str, Any]], response: dict[str, Any]) -> None:
+    def put(self, response_id: str, messages: list[dict[str, Any]], response: Response) -> None:
         with self._lock:
             self._stored[response_id] = messages, copy.deepcopy(response)
             while len(self._stored) > self.size:
@@ -246,6 +249,245 @@ def error_body(body: dict[str, Any], status: int) -> dict[str, Any]:
 
 
 # ---- the reply ----
+# Declared once, as the TypedDicts below (lse_core.protocol's convention): the translation builds them and
+# /openapi.json takes their schemas. A TypedDict is a plain dict, so a stream event costs no validation.
+
+ResponseStatus = Literal["in_progress", "completed", "incomplete", "cancelled"]
+ItemStatus = Literal["in_progress", "completed"]
+Empty = Annotated[list[Any], Field(max_length=0)]    # annotations, logprobs, summaries: LSE makes none
+
+
+class OutputTextPart(TypedDict):
+    type: Literal["output_text"]
+    text: str
+    annotations: Empty
+    logprobs: Empty
+
+
+class ReasoningTextPart(TypedDict):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ResponseMessageItem(TypedDict):
+    type: Literal["message"]
+    id: str
+    role: Literal["assistant"]
+    status: ItemStatus
+    content: list[OutputTextPart]       # its one part, once it is added
+
+
+class ResponseReasoningItem(TypedDict):
+    type: Literal["reasoning"]
+    id: str
+    summary: Empty
+    content: list[ReasoningTextPart]
+    status: ItemStatus
+
+
+class ResponseFunctionCallItem(TypedDict):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str                      # JSON text
+    status: ItemStatus
+
+
+OutputItem = Annotated[ResponseMessageItem | ResponseReasoningItem | ResponseFunctionCallItem,
+                       Field(discriminator="type")]
+ContentPart = Annotated[OutputTextPart | ReasoningTextPart, Field(discriminator="type")]
+
+
+class InputTokensDetails(TypedDict):
+    cached_tokens: Count
+
+
+class OutputTokensDetails(TypedDict):
+    reasoning_tokens: Count
+
+
+class ResponseUsage(TypedDict):
+    input_tokens: Count                 # the whole prompt, cached tokens included
+    input_tokens_details: InputTokensDetails
+    output_tokens: Count
+    output_tokens_details: OutputTokensDetails
+    total_tokens: Count
+
+
+class IncompleteDetails(TypedDict):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseReasoning(TypedDict):
+    effort: str | None
+    summary: None
+
+
+class ResponseText(TypedDict):
+    format: TextFormat                  # the request's text.format ({"type": "text"} without one)
+
+
+class ResponseSnapshot(TypedDict):
+    """The response as it stands: in progress (usage null) in a stream's first events, finished as a Response.
+    The request's settings are echoed back, as OpenAI does: a field typed with a request model holds its JSON."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: ResponseStatus
+    error: None
+    incomplete_details: IncompleteDetails | None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[OutputItem]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    reasoning: ResponseReasoning
+    store: bool
+    temperature: float | None
+    top_p: float | None
+    text: ResponseText
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice
+    tools: list[FunctionTool]
+    truncation: Literal["disabled"]
+    metadata: dict[str, str]
+    usage: ResponseUsage | None
+
+
+class Response(ResponseSnapshot, Closing):
+    """A finished response, with LSE's stop_reason, lse_context, timings and lse_warnings."""
+
+    stop_reason: StopReason
+
+
+class DeletedResponse(TypedDict):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: Literal[True]
+
+
+class _Event(TypedDict):
+    sequence_number: Count
+
+
+class ResponseCreatedEvent(_Event):
+    type: Literal["response.created"]
+    response: ResponseSnapshot
+
+
+class ResponseInProgressEvent(_Event):
+    type: Literal["response.in_progress"]
+    response: ResponseSnapshot
+
+
+class _OutputItemEvent(_Event):
+    output_index: Count
+    item: OutputItem
+
+
+class ResponseOutputItemAddedEvent(_OutputItemEvent):
+    type: Literal["response.output_item.added"]
+
+
+class ResponseOutputItemDoneEvent(_OutputItemEvent):
+    type: Literal["response.output_item.done"]
+
+
+class ContentPlace(TypedDict):
+    """Where a content event writes: the item's only part."""
+
+    item_id: str
+    output_index: Count
+    content_index: Literal[0]
+
+
+class ResponseContentPartAddedEvent(_Event, ContentPlace):
+    type: Literal["response.content_part.added"]
+    part: ContentPart
+
+
+class ResponseContentPartDoneEvent(_Event, ContentPlace):
+    type: Literal["response.content_part.done"]
+    part: ContentPart
+
+
+class ResponseTextDeltaEvent(_Event, ContentPlace):
+    type: Literal["response.output_text.delta"]
+    delta: str
+    logprobs: Empty
+
+
+class ResponseTextDoneEvent(_Event, ContentPlace):
+    type: Literal["response.output_text.done"]
+    text: str
+    logprobs: Empty
+
+
+class ResponseReasoningTextDeltaEvent(_Event, ContentPlace):
+    type: Literal["response.reasoning_text.delta"]
+    delta: str
+
+
+class ResponseReasoningTextDoneEvent(_Event, ContentPlace):
+    type: Literal["response.reasoning_text.done"]
+    text: str
+
+
+class _FunctionCallEvent(_Event):
+    item_id: str
+    output_index: Count
+
+
+class ResponseFunctionCallArgumentsDeltaEvent(_FunctionCallEvent):
+    type: Literal["response.function_call_arguments.delta"]
+    delta: str                          # the whole arguments: a call comes whole
+
+
+class ResponseFunctionCallArgumentsDoneEvent(_FunctionCallEvent):
+    type: Literal["response.function_call_arguments.done"]
+    name: str
+    arguments: str
+
+
+class ResponseCompletedEvent(_Event):
+    type: Literal["response.completed"]
+    response: Response
+
+
+class ResponseIncompleteEvent(_Event):
+    type: Literal["response.incomplete"]
+    response: Response
+
+
+class ResponseCancelledEvent(_Event):
+    type: Literal["response.cancelled"]
+    response: Response
+
+
+class ResponseErrorEvent(_Event):
+    """How a stream ends when its request fails after it began."""
+
+    type: Literal["error"]
+    code: str | None
+    message: str
+    param: str | None
+
+
+# a named alias: /openapi.json names it as a component, whose schema is the union
+ResponseStreamEvent = TypeAliasType("ResponseStreamEvent", Annotated[
+    ResponseCreatedEvent | ResponseInProgressEvent | ResponseOutputItemAddedEvent | ResponseOutputItemDoneEvent
+    | ResponseContentPartAddedEvent | ResponseContentPartDoneEvent | ResponseTextDeltaEvent | ResponseTextDoneEvent
+    | ResponseReasoningTextDeltaEvent | ResponseReasoningTextDoneEvent | ResponseFunctionCallArgumentsDeltaEvent
+    | ResponseFunctionCallArgumentsDoneEvent | ResponseCompletedEvent | ResponseIncompleteEvent
+    | ResponseCancelledEvent | ResponseErrorEvent, Field(discriminator="type")])
+
+# a response's status once finished, by the core's stop_reason (any other: incomplete), and its last event
+ENDED: dict[str, ResponseStatus] = {"stop_token": "completed", "stop_sequence": "completed", "cancelled": "cancelled"}
+ENDING_EVENTS = {"completed": ResponseCompletedEvent, "incomplete": ResponseIncompleteEvent,
+                 "cancelled": ResponseCancelledEvent}
+
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -263,22 +505,24 @@ class ResponsesTranslation:
         self.id = _id("resp")
         self.created = int(time.time())
         self.model = req.model or model_id
-        self.output: list[dict[str, Any]] = []
-        self.open: dict[str, Any] | None = None    # the reasoning or message item being written
+        self.output: list[OutputItem] = []
+        self.open: ResponseMessageItem | ResponseReasoningItem | None = None    # the item being written
         self.sequence = 0
         self.started = False
 
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+    def _next(self) -> int:
+        """The next event's sequence_number."""
         self.sequence += 1
-        return {"type": kind, "sequence_number": self.sequence - 1, **copy.deepcopy(fields)}
+        return self.sequence - 1
 
-    def feed(self, delta: CoreDelta, prompt_tokens: int = 0) -> list[dict[str, Any]]:
-        events = []
+    def feed(self, delta: CoreDelta, prompt_tokens: int = 0) -> list[ResponseStreamEvent]:
+        events: list[ResponseStreamEvent] = []
         if not self.started:
             self.started = True
-            snapshot = self.response("in_progress")
-            events += [self._event("response.created", response=snapshot),
-                       self._event("response.in_progress", response=snapshot)]
+            snapshot = copy.deepcopy(self._snapshot("in_progress"))    # its output is written on after it
+            events += [ResponseCreatedEvent(type="response.created", sequence_number=self._next(), response=snapshot),
+                       ResponseInProgressEvent(type="response.in_progress", sequence_number=self._next(),
+                                               response=snapshot)]
         if delta.reasoning:
             events += self._write("reasoning", delta.reasoning)
         if delta.content:
@@ -288,7 +532,7 @@ class ResponsesTranslation:
             events += self._function_call(call)
         return events
 
-    def _write(self, kind: str, text: str) -> list[dict[str, Any]]:
+    def _write(self, kind: Literal["message", "reasoning"], text: str) -> list[ResponseStreamEvent]:
         events = []
         if self.open is None or self.open["type"] != kind:
             events += self._close()
@@ -297,64 +541,88 @@ class ResponsesTranslation:
         self.open["content"][0]["text"] += text
         where = self._where(self.open)
         if kind == "message":
-            events.append(self._event("response.output_text.delta", **where, delta=text, logprobs=[]))
+            events.append(ResponseTextDeltaEvent(type="response.output_text.delta", sequence_number=self._next(),
+                                                 **where, delta=text, logprobs=[]))
         else:
-            events.append(self._event("response.reasoning_text.delta", **where, delta=text))
+            events.append(ResponseReasoningTextDeltaEvent(type="response.reasoning_text.delta",
+                                                          sequence_number=self._next(), **where, delta=text))
         return events
 
-    def _where(self, item: dict[str, Any]) -> dict[str, Any]:
-        return {"item_id": item["id"], "output_index": self.output.index(item), "content_index": 0}
+    def _where(self, item: OutputItem) -> ContentPlace:
+        return ContentPlace(item_id=item["id"], output_index=self.output.index(item), content_index=0)
 
-    def _open(self, kind: str) -> list[dict[str, Any]]:
+    def _open(self, kind: Literal["message", "reasoning"]) -> list[ResponseStreamEvent]:
+        item: ResponseMessageItem | ResponseReasoningItem
         if kind == "message":
-            item = {"type": "message", "id": _id("msg"), "role": "assistant", "status": "in_progress", "content": []}
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item = ResponseMessageItem(type="message", id=_id("msg"), role="assistant", status="in_progress",
+                                       content=[])
+            part: ContentPart = OutputTextPart(type="output_text", text="", annotations=[], logprobs=[])
         else:
-            item = {"type": "reasoning", "id": _id("rs"), "summary": [], "content": [], "status": "in_progress"}
-            part = {"type": "reasoning_text", "text": ""}
+            item = ResponseReasoningItem(type="reasoning", id=_id("rs"), summary=[], content=[], status="in_progress")
+            part = ReasoningTextPart(type="reasoning_text", text="")
         self.output.append(item)
         self.open = item
-        events = [self._event("response.output_item.added", output_index=len(self.output) - 1, item=item)]
+        # copies: the item and its part are written on after these events
+        events: list[ResponseStreamEvent] = [ResponseOutputItemAddedEvent(
+            type="response.output_item.added", sequence_number=self._next(), output_index=len(self.output) - 1,
+            item=copy.deepcopy(item))]
         item["content"].append(part)
-        return events + [self._event("response.content_part.added", **self._where(item), part=part)]
+        return events + [ResponseContentPartAddedEvent(type="response.content_part.added",
+                                                       sequence_number=self._next(), **self._where(item),
+                                                       part=copy.deepcopy(part))]
 
-    def _close(self) -> list[dict[str, Any]]:
+    def _close(self) -> list[ResponseStreamEvent]:
         item, self.open = self.open, None
         if item is None:
             return []
         item["status"] = "completed"
         part, where = item["content"][0], self._where(item)
+        done: ResponseStreamEvent
         if item["type"] == "message":
-            done = self._event("response.output_text.done", **where, text=part["text"], logprobs=[])
+            done = ResponseTextDoneEvent(type="response.output_text.done", sequence_number=self._next(), **where,
+                                         text=part["text"], logprobs=[])
         else:
-            done = self._event("response.reasoning_text.done", **where, text=part["text"])
-        return [done, self._event("response.content_part.done", **where, part=part),
-                self._event("response.output_item.done", output_index=where["output_index"], item=item)]
+            done = ResponseReasoningTextDoneEvent(type="response.reasoning_text.done", sequence_number=self._next(),
+                                                  **where, text=part["text"])
+        return [done, ResponseContentPartDoneEvent(type="response.content_part.done", sequence_number=self._next(),
+                                                   **where, part=part),
+                ResponseOutputItemDoneEvent(type="response.output_item.done", sequence_number=self._next(),
+                                            output_index=where["output_index"], item=item)]
 
-    def _function_call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+    def _function_call(self, call: dict[str, Any]) -> list[ResponseStreamEvent]:
         function = call["function"]
-        item = {"type": "function_call", "id": _id("fc"), "call_id": call["id"], "name": function["name"],
-                "arguments": "", "status": "in_progress"}
+        item = ResponseFunctionCallItem(type="function_call", id=_id("fc"), call_id=call["id"],
+                                        name=function["name"], arguments="", status="in_progress")
         self.output.append(item)
         index = len(self.output) - 1
-        events = [self._event("response.output_item.added", output_index=index, item=item)]
+        events: list[ResponseStreamEvent] = [ResponseOutputItemAddedEvent(
+            type="response.output_item.added", sequence_number=self._next(), output_index=index,
+            item=copy.deepcopy(item))]    # a copy: the call is completed after it
         item |= {"arguments": function["arguments"], "status": "completed"}
-        where = {"item_id": item["id"], "output_index": index}
         return events + [
-            self._event("response.function_call_arguments.delta", **where, delta=function["arguments"]),
-            self._event("response.function_call_arguments.done", **where, name=item["name"],
-                        arguments=function["arguments"]),
-            self._event("response.output_item.done", output_index=index, item=item)]
+            ResponseFunctionCallArgumentsDeltaEvent(type="response.function_call_arguments.delta",
+                                                    sequence_number=self._next(), item_id=item["id"],
+                                                    output_index=index, delta=function["arguments"]),
+            ResponseFunctionCallArgumentsDoneEvent(type="response.function_call_arguments.done",
+                                                   sequence_number=self._next(), item_id=item["id"],
+                                                   output_index=index, name=item["name"],
+                                                   arguments=function["arguments"]),
+            ResponseOutputItemDoneEvent(type="response.output_item.done", sequence_number=self._next(),
+                                        output_index=index, item=item)]
 
-    def finish(self, end: CoreEnd) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def finish(self, end: CoreEnd) -> tuple[list[ResponseStreamEvent], Response]:
         events = self._close()
-        status = {"stop_token": "completed", "stop_sequence": "completed", "cancelled": "cancelled"}.get(
-            end.stop_reason, "incomplete")
-        response = self.response(status, end)
+        status = ENDED.get(end.stop_reason, "incomplete")
+        usage = ResponseUsage(
+            input_tokens=end.prompt_tokens, input_tokens_details=InputTokensDetails(cached_tokens=end.cached_tokens),
+            output_tokens=end.completion_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=end.reasoning_tokens),
+            total_tokens=end.prompt_tokens + end.completion_tokens)
+        response = Response(**self._snapshot(status, usage), stop_reason=end.stop_reason, **end.lse)
         if self.req.store is not False and status != "cancelled":
             self.store.put(self.id, self.conversation + [self._assistant_turn()], response)
-        kind = "response.completed" if status == "completed" else f"response.{status}"
-        return events + [self._event(kind, response=response)], response
+        last = ENDING_EVENTS[status](type=f"response.{status}", sequence_number=self._next(), response=response)
+        return events + [last], response
 
     def _assistant_turn(self) -> dict[str, Any]:
         """The reply as the chat message a later turn's template renders."""
@@ -369,39 +637,30 @@ class ResponsesTranslation:
                     "name": item["name"], "arguments": item["arguments"]}})
         return turn
 
-    def response(self, status: str, end: CoreEnd | None = None) -> dict[str, Any]:
-        """The response object: in progress (no usage yet), or finished with LSE's fields."""
+    def _snapshot(self, status: ResponseStatus, usage: ResponseUsage | None = None) -> ResponseSnapshot:
+        """The response object with OpenAI's fields: in progress (no usage yet), or finished."""
         req = self.req
-        body: dict[str, Any] = {
-            "id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.model,
-            "output": self.output, "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": req.previous_response_id,
-            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
-            "store": req.store is not False, "temperature": req.temperature, "top_p": req.top_p,
-            "text": {"format": req.text.format.model_dump(by_alias=True, exclude_none=True)
-                     if req.text and req.text.format else {"type": "text"}},
-            "tool_choice": req.tool_choice.model_dump() if isinstance(req.tool_choice, FunctionChoice)
+        return ResponseSnapshot(
+            id=self.id, object="response", created_at=self.created, status=status, error=None,
+            incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
+            instructions=req.instructions, max_output_tokens=req.max_output_tokens, model=self.model,
+            output=self.output, parallel_tool_calls=req.parallel_tool_calls is not False,
+            previous_response_id=req.previous_response_id,
+            reasoning=ResponseReasoning(effort=req.reasoning.effort if req.reasoning else None, summary=None),
+            store=req.store is not False, temperature=req.temperature, top_p=req.top_p,
+            text=ResponseText(format=req.text.format.model_dump(by_alias=True, exclude_none=True)
+                              if req.text and req.text.format else {"type": "text"}),
+            tool_choice=req.tool_choice.model_dump() if isinstance(req.tool_choice, FunctionChoice)
             else req.tool_choice or "auto",
-            "tools": [t.model_dump() for t in req.tools or []], "truncation": "disabled",
-            "metadata": req.metadata or {}, "usage": None,
-        }
-        if end is not None:
-            body["usage"] = {"input_tokens": end.prompt_tokens, "input_tokens_details": {
-                "cached_tokens": end.cached_tokens}, "output_tokens": end.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": end.reasoning_tokens},
-                "total_tokens": end.prompt_tokens + end.completion_tokens}
-            body |= {"stop_reason": end.stop_reason} | end.lse
-        return body
+            tools=[t.model_dump() for t in req.tools or []], truncation="disabled",
+            metadata=req.metadata or {}, usage=usage)
 
-    def stream_error(self, body: dict[str, Any], status: int) -> dict[str, Any]:
-        self.sequence += 1
-        return stream_error_event(body, status, self.sequence - 1)
+    def stream_error(self, body: dict[str, Any], status: int) -> ResponseErrorEvent:
+        return stream_error_event(body, status, self._next())
 
 
-def stream_error_event(body: dict[str, Any], status: int, sequence_number: int) -> dict[str, Any]:
+def stream_error_event(body: dict[str, Any], status: int, sequence_number: int) -> ResponseErrorEvent:
     """The ``error`` event a stream ends with when its request fails after ``sequence_number`` events."""
     error = error_body(body, status)["error"]
-    return {"type": "error", "sequence_number": sequence_number, "code": error["code"], "message": error["message"],
-            "param": error["param"]}
+    return ResponseErrorEvent(type="error", sequence_number=sequence_number, code=error["code"],
+                              message=error["message"], param=error["param"])
