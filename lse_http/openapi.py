@@ -1,10 +1,10 @@
 """The OpenAPI 3.1 document served at /openapi.json. Every request body's schema comes from the pydantic
 model that checks it (lse_core.adapters), and so do the replies and reply parts declared as the pydantic types
 that build them (REPLY_TYPES: usage, timings, lse_context, lse_warnings entries, /tokenize's and /detokenize's
-answers, the error body, /v1/models and its entries, count_tokens, embeddings, CPU-fallback counters, /health);
-the rest of the replies' schemas are written here from spec/API.md and lse_core/protocol.py. Its schemas are
-JSON Schema 2020-12; the server tests validate real responses against them, so a change to a reply's shape must
-change this file too."""
+answers, the error body, /v1/models and its entries, count_tokens, embeddings, CPU-fallback counters, /health,
+and the TypedDicts of /v1/lse/model_info and /v1/lse/status); the rest of the replies' schemas are written here
+from spec/API.md and lse_core/protocol.py. Its schemas are JSON Schema 2020-12; the server tests validate real
+responses against them, so a change to a reply's shape must change this file too."""
 
 from __future__ import annotations
 
@@ -13,17 +13,17 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from lse_core import protocol
+from lse_core import api, model_set, protocol
 from lse_core.adapters.anthropic import CountTokensRequest, MessagesRequest
 from lse_core.adapters.common import TOKEN_ID_MARK, WIDTH_MARK
 from lse_core.adapters.openai import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeBody
 from lse_core.adapters.responses import ResponsesRequest
-from lse_core.config import KV_CACHE_TYPES
 from lse_core.embeddings import EmbeddingList, EmbeddingsRequest
 from lse_core.errors import Error
 from lse_core.fallback import CPUFallback
 from lse_core.limits import LSEContext
-from lse_core.protocol import MODEL_STATE_SCHEMA
+from lse_core.sampling import GenerationDefaults
+from lse_core.template.thinking import Thinking
 
 
 def ref(name: str) -> dict[str, str]:
@@ -93,33 +93,6 @@ def choice(required: list[str], content: dict[str, Any], stop_reason: dict[str, 
                 "logprobs": LOGPROBS})
 
 
-MODEL_STATUS = {   # one model's lse_status: its state, and while it is loaded its engine's
-    "state": MODEL_STATE_SCHEMA, "reason": nullable(STRING), "requests": COUNT, "queued": COUNT,
-    "idle_s": nullable(NUMBER),
-    "memory_bytes": nullable(COUNT), "load_s": nullable(NUMBER),
-    "model": STRING, "context_length": COUNT,
-    "devices": {"type": "array", "items": ref("Device")},
-    "placements": {"type": "array", "items": obj(["group", "layer", "ops", "device", "cpu_fallback"], {
-        "group": COUNT, "layer": INTEGER, "ops": {"type": "array", "items": STRING},
-        "device": nullable(STRING), "cpu_fallback": nullable(STRING)},
-        description="each fused group of the plan and the device that runs it (null: refused)")},
-    "declined": {"type": "array", "items": STRING}, "startup_warnings": {"type": "array", "items": STRING},
-    "kv_cache": obj(["type_k", "type_v", "devices"], {
-        "type_k": ref("KVCacheType"), "type_v": ref("KVCacheType"),
-        "devices": {"type": "array", "items": obj(["name", "type_k", "type_v"], {
-            "name": STRING, "type_k": ref("KVCacheType"), "type_v": ref("KVCacheType")})}},
-        description="the KV cache types asked for (--cache-type-k/-v), and what each device holding a cache "
-                    "stores: f32 where it lacks the default f16 (a startup warning says so)"),
-    "engine": obj(["steps", "running", "waiting", "paused", "slots", "free_slots", "cpu_fallback"], {
-        "steps": COUNT, "running": COUNT, "waiting": COUNT, "paused": COUNT, "slots": COUNT, "free_slots": COUNT,
-        "cpu_fallback": ref("CPUFallback")}),
-    "stats": obj(["requests", "prompt_tokens", "cached_tokens", "completion_tokens"], {
-        "uptime_s": NUMBER,
-        "requests": {"type": "array", "items": obj(["endpoint", "outcome", "count"], {
-            "endpoint": STRING, "outcome": STRING, "count": COUNT})},
-        "prompt_tokens": COUNT, "cached_tokens": COUNT, "completion_tokens": COUNT}),
-}
-
 SCHEMAS: dict[str, Any] = {
     "ChatCompletion": completion_object("chat.completion", choice(["message"], {"message": CHAT_MESSAGE},
                                                                   STOP_REASON)),
@@ -129,37 +102,6 @@ SCHEMAS: dict[str, Any] = {
         "text": STRING, "reasoning_content": STRING}, STOP_REASON)),
     "TextCompletionChunk": chunk_object("text_completion", choice(["text"], {
         "text": STRING, "reasoning_content": STRING}, nullable(STOP_REASON))),
-    "Thinking": obj(["supported", "source", "toggle", "effort", "default_level", "levels"], {
-        "supported": BOOLEAN, "source": nullable(STRING), "toggle": nullable({"const": "enable_thinking"}),
-        "effort": nullable({"const": "reasoning_effort"}), "default_level": nullable(STRING),
-        "levels": {"type": "array", "items": obj(
-            ["id", "enable_thinking", "reasoning_effort", "instruction", "opens_reasoning", "default"], {
-                "id": STRING, "enable_thinking": nullable(BOOLEAN), "reasoning_effort": nullable(STRING),
-                "instruction": nullable(STRING), "opens_reasoning": BOOLEAN, "default": BOOLEAN})}}),
-    "GenerationDefaults": obj(["temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                               "max_new_tokens", "max_length", "sources"], {
-        "temperature": NUMBER, "top_k": INTEGER, "top_p": NUMBER, "min_p": NUMBER,
-        "repetition_penalty": NUMBER, "presence_penalty": NUMBER,
-        "max_new_tokens": nullable(INTEGER), "max_length": nullable(INTEGER),
-        "sources": {"type": "object", "additionalProperties": {
-            "enum": ["generation_config.json", "config.json", "server_option", "lse_default"]}}}),
-    "Device": obj(["name", "kind", "codegen", "description"], {
-        "name": STRING, "kind": {"enum": ["gpu", "cpu", "accelerator"]}, "codegen": BOOLEAN,
-        "description": STRING}),
-    "ModelInfo": obj(["object", "id", "source", "architecture", "context_length", "thinking",
-                      "generation_defaults", "devices", "plan", "served"], {
-        "object": {"const": "lse.model_info"}, "id": STRING, "source": STRING, "architecture": STRING,
-        "context_length": COUNT, "trained_context_length": COUNT, "vocab_size": COUNT,
-        "thinking": ref("Thinking"), "generation_defaults": ref("GenerationDefaults"),
-        "devices": {"type": "array", "items": ref("Device")},
-        "plan": obj(["groups", "cpu_fallback_groups"], {"groups": COUNT, "cpu_fallback_groups": {
-            "type": "array", "items": STRING}}),
-        "served": ref("Model")}),
-    "Status": obj(["object", "model", "state", "models"], {
-        "object": {"const": "lse.status"}, **MODEL_STATUS,
-        "models": {"type": "array", "items": obj(["model", "state"], MODEL_STATUS)}},
-        description="the asked for (or default) model's status; each model's under models"),
-    "KVCacheType": {"enum": list(KV_CACHE_TYPES)},
 }
 
 # ---- the other APIs' replies ----
@@ -223,7 +165,8 @@ REPLY_SCHEMAS: dict[str, Any] = {
 # the replies and reply parts declared as pydantic types, whose schemas are taken as they serialize
 REPLY_TYPES = (protocol.Usage, protocol.Timings, protocol.LSEWarning, LSEContext, protocol.Tokenized,
                protocol.Content, Error, protocol.Model, protocol.ModelList, protocol.TokenCount,
-               protocol.Health, EmbeddingList, CPUFallback)
+               protocol.Health, EmbeddingList, CPUFallback, Thinking, GenerationDefaults, api.Device, api.ModelInfo,
+               model_set.Status)
 
 
 def model_schemas() -> dict[str, Any]:
