@@ -11,19 +11,22 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
+
+from typing_extensions import TypedDict
 
 from lse_core import embeddings, protocol, structured
 from lse_core.adapters import anthropic, responses
-from lse_core.adapters.common import CoreDelta, Translation, core_delta, core_end
+from lse_core.adapters.common import CoreDelta, Count, Translation, core_delta, core_end
 from lse_core.adapters.responses import ResponseStore
-from lse_core.config import KV_CACHE_TYPES, LSEConfig
-from lse_core.devices.hookspec import CompileContext, Device, DeviceInfo
+from lse_core.config import KV_CACHE_TYPES, KVCacheType, LSEConfig
+from lse_core.devices import hookspec  # hookspec.Device: an open device; Device below is its JSON
+from lse_core.devices.hookspec import CompileContext, DeviceInfo
 from lse_core.devices.registry import Registry, discover, open_devices, open_interpreter, resolve_pool
-from lse_core.engine.engine import Engine
+from lse_core.engine.engine import Engine, EngineLoad
 from lse_core.engine.sequence import Delta, ReasoningBudget, SeqParams, Sequence
 from lse_core.errors import LSEError, StartupError, invalid_request, model_not_found, server_error
-from lse_core.fallback import FallbackLog
+from lse_core.fallback import CPUFallback, FallbackLog
 from lse_core.graph.ir import Graph
 from lse_core.graph.plan import Placement, Plan
 from lse_core.limits import check_prompt_text, prompt_too_long, resolve_limit
@@ -32,11 +35,11 @@ from lse_core.model.catalog import model_id
 from lse_core.model.default import load_model
 from lse_core.model.model import Model
 from lse_core.sampling import GenerationDefaults, generation_defaults, resolve_sampling
-from lse_core.stats import Stats
-from lse_core.template.probe import Thinking, probe
+from lse_core.stats import RequestStats, Stats
+from lse_core.template.probe import TemplateThinking, probe
 from lse_core.template.reasoning import ReasoningSplitter, reasoning_splitter
 from lse_core.template.render import ChatTemplate, RenderTooLong
-from lse_core.template.thinking import Level, resolve_level, template_variables, thinking_budget
+from lse_core.template.thinking import Level, Thinking, resolve_level, template_variables, thinking_budget
 from lse_core.tools import BARE_JSON, ToolCallParser, call_syntax, tool_call_format
 
 log = logging.getLogger("lse")
@@ -65,11 +68,11 @@ class LSE:
     model: Model
     model_id: str
     template: ChatTemplate | None
-    thinking: Thinking
+    thinking: TemplateThinking
     defaults: GenerationDefaults
     context_length: int
     registry: Registry
-    devices: list[Device]
+    devices: list[hookspec.Device]
     plan: Plan
     engine: Engine
     fallback: FallbackLog
@@ -122,7 +125,8 @@ def lse_open_or_raise(config: LSEConfig | dict[str, Any] | None = None) -> LSE:
                context_length, registry, devices, plan, engine, fallback, warnings, grammars)
 
 
-def _cache_types(config: LSEConfig, graph: Graph, devices: list[Device], warnings: list[str]) -> dict[str, str]:
+def _cache_types(config: LSEConfig, graph: Graph, devices: list[hookspec.Device],
+                 warnings: list[str]) -> dict[str, str]:
     """The KV cache types asked for (f16 where not named). A named type must be one every device stores, and
     q8_0 needs head dims of whole blocks; a device without the default f16 keeps f32, said in ``warnings``."""
     types = {}
@@ -148,7 +152,7 @@ def _cache_types(config: LSEConfig, graph: Graph, devices: list[Device], warning
     return types
 
 
-def _check_deterministic(devices: list[Device]) -> None:
+def _check_deterministic(devices: list[hookspec.Device]) -> None:
     """--deterministic runs only on devices whose kernels compute every row alike whatever the batch."""
     unable = [d.info.name for d in devices if not d.deterministic]
     if unable:
@@ -482,66 +486,139 @@ def lse_request_iter(lse: LSE, body: Any, endpoint: str = "chat") -> Iterator[Ev
         request.cancel()
 
 
-def lse_model_info(lse: LSE) -> dict[str, Any]:
+class Device(TypedDict):
+    name: str
+    kind: Literal["gpu", "cpu", "accelerator"]
+    codegen: bool
+    description: str
+
+
+class PlanSummary(TypedDict):
+    groups: Count
+    cpu_fallback_groups: list[str]
+
+
+class ModelInfo(TypedDict):
+    """/v1/lse/model_info's answer (lse_model_info)."""
+
+    object: Literal["lse.model_info"]
+    id: str
+    source: str
+    architecture: str
+    context_length: Count
+    trained_context_length: Count
+    vocab_size: Count
+    thinking: Thinking
+    generation_defaults: GenerationDefaults
+    devices: list[Device]
+    plan: PlanSummary
+    served: protocol.Model
+
+
+def lse_model_info(lse: LSE) -> ModelInfo:
     """The model, its thinking levels, sampling defaults, devices and plan; ``served`` is its
     /v1/models entry."""
     served = protocol.model_entry(lse.model_id, int(lse.stats.started), lse.context_length,
                                   lse.thinking.to_json(), lse.defaults, structured.supported())
     placements = lse.plan.placements
-    return {
-        "object": "lse.model_info",
-        "id": lse.model_id,
-        "source": lse.model.source,
-        "architecture": lse.model.architecture,
-        "context_length": lse.context_length,
-        "trained_context_length": lse.model.trained_context,
-        "vocab_size": lse.model.tokenizer.vocab_size,
-        "thinking": served["thinking"],
-        "generation_defaults": served["generation_defaults"],
-        "devices": [_device_json(d.info) for d in lse.devices],
-        "plan": {"groups": len(placements),
-                 "cpu_fallback_groups": [p.fallback_cause for p in placements if p.fallback_cause is not None]},
-        "served": served,
-    }
+    return ModelInfo(
+        object="lse.model_info",
+        id=lse.model_id,
+        source=lse.model.source,
+        architecture=lse.model.architecture,
+        context_length=lse.context_length,
+        trained_context_length=lse.model.trained_context,
+        vocab_size=lse.model.tokenizer.vocab_size,
+        thinking=served["thinking"],
+        generation_defaults=served["generation_defaults"],
+        devices=[_device_json(d.info) for d in lse.devices],
+        plan=PlanSummary(groups=len(placements), cpu_fallback_groups=[
+            p.fallback_cause for p in placements if p.fallback_cause is not None]),
+        served=served,
+    )
 
 
-def lse_status(lse: LSE) -> dict[str, Any]:
+class GroupPlacement(TypedDict):
+    """A fused group of the plan and the device that runs it (null: refused, CPU fallback disabled)."""
+
+    group: Count
+    layer: int    # -1 outside the transformer layers
+    ops: list[str]
+    device: str | None
+    cpu_fallback: str | None
+
+
+class KVCacheDevice(TypedDict):
+    name: str
+    type_k: KVCacheType
+    type_v: KVCacheType
+
+
+class KVCache(TypedDict):
+    """The KV cache types asked for (--cache-type-k/-v), and what each device holding a cache stores: f32 where
+    it lacks the default f16 (a startup warning says so)."""
+
+    type_k: KVCacheType
+    type_v: KVCacheType
+    devices: list[KVCacheDevice]
+
+
+class EngineStatus(EngineLoad):
+    steps: Count
+    cpu_fallback: CPUFallback
+
+
+class LSEStatus(TypedDict):
+    """An open model's lse_status; /v1/lse/status carries its keys beside the model set's (model_set.ModelStatus)."""
+
+    object: Literal["lse.status"]
+    model: str
+    context_length: Count
+    devices: list[Device]
+    placements: list[GroupPlacement]
+    declined: list[str]
+    startup_warnings: list[str]
+    kv_cache: KVCache
+    engine: EngineStatus
+    stats: RequestStats
+
+
+def lse_status(lse: LSE) -> LSEStatus:
     """The engine's state: devices and where each fused group runs, load, KV slots, CPU-fallback
     counters, request counters."""
-    return {
-        "object": "lse.status",
-        "model": lse.model_id,
-        "context_length": lse.context_length,
-        "devices": [_device_json(d.info) for d in lse.devices],
-        "placements": [_placement_json(p) for p in lse.plan.placements],
-        "declined": lse.registry.declined(),
-        "startup_warnings": lse.startup_warnings,
-        "kv_cache": _kv_cache_json(lse),
-        "engine": {"steps": lse.engine.steps, **lse.engine.load, "cpu_fallback": lse.fallback.to_json()},
-        "stats": lse.stats.to_json(),
-    }
+    return LSEStatus(
+        object="lse.status",
+        model=lse.model_id,
+        context_length=lse.context_length,
+        devices=[_device_json(d.info) for d in lse.devices],
+        placements=[_placement_json(p) for p in lse.plan.placements],
+        declined=lse.registry.declined(),
+        startup_warnings=lse.startup_warnings,
+        kv_cache=_kv_cache_json(lse),
+        engine=EngineStatus(steps=lse.engine.steps, **lse.engine.load, cpu_fallback=lse.fallback.to_json()),
+        stats=lse.stats.to_json(),
+    )
 
 
-def _kv_cache_json(lse: LSE) -> dict[str, Any]:
+def _kv_cache_json(lse: LSE) -> KVCache:
     """The KV cache types asked for, and what each device that may hold a cache stores (f32 where it lacks one)."""
     ctx = lse.plan.ctx
     holders = lse.devices + [p.device for p in lse.plan.placements
                              if p.device is not None and p.device not in lse.devices and "attention" in p.group.ops]
-    return {"type_k": ctx.cache_type_k, "type_v": ctx.cache_type_v,
-            "devices": [{"name": d.info.name, "type_k": ctx.on(d).cache_type_k, "type_v": ctx.on(d).cache_type_v}
-                        for d in dict.fromkeys(holders)]}
+    return KVCache(type_k=ctx.cache_type_k, type_v=ctx.cache_type_v, devices=[
+        KVCacheDevice(name=d.info.name, type_k=ctx.on(d).cache_type_k, type_v=ctx.on(d).cache_type_v)
+        for d in dict.fromkeys(holders)])
 
 
-def _device_json(info: DeviceInfo) -> dict[str, Any]:
-    return {"name": info.name, "kind": info.kind, "codegen": info.codegen, "description": info.description}
+def _device_json(info: DeviceInfo) -> Device:
+    return Device(name=info.name, kind=info.kind, codegen=info.codegen, description=info.description)
 
 
-def _placement_json(placement: Placement) -> dict[str, Any]:
-    """A fused group and the device that runs it (null: refused, CPU fallback disabled)."""
+def _placement_json(placement: Placement) -> GroupPlacement:
     group = placement.group
-    return {"group": group.index, "layer": group.layer, "ops": list(group.ops),
-            "device": placement.device.info.name if placement.device else None,
-            "cpu_fallback": placement.fallback_cause}
+    return GroupPlacement(group=group.index, layer=group.layer, ops=list(group.ops),
+                          device=placement.device.info.name if placement.device else None,
+                          cpu_fallback=placement.fallback_cause)
 
 
 # ---- the other APIs: each an adapter over the chat request ----

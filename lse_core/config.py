@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal, get_args
+
+from typing_extensions import TypeAliasType
 
 # What a KV cache may store keys and values as, by llama.cpp's names: f16 (the default, as llama.cpp's), q8_0
-# (blocks of 32 values as int8 with one f16 scale, GGUF's Q8_0) or f32
-KV_CACHE_TYPES = ("f16", "q8_0", "f32")
+# (blocks of 32 values as int8 with one f16 scale, GGUF's Q8_0) or f32. A named alias: /openapi.json's KVCacheType.
+KVCacheType = TypeAliasType("KVCacheType", Literal["f16", "q8_0", "f32"])
+KV_CACHE_TYPES: tuple[str, ...] = get_args(KVCacheType.__value__)
 
 
 @dataclass

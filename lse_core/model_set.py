@@ -18,16 +18,18 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal, NotRequired
 
 import psutil
+from typing_extensions import TypedDict
 
 from lse_core import api, protocol, structured
+from lse_core.adapters.common import Count
 from lse_core.adapters.responses import ResponseStore
 from lse_core.config import LSEConfig
 from lse_core.errors import LSEError, StartupError, model_not_found, server_error
 from lse_core.model.catalog import ModelSpec, file_bytes
-from lse_core.stats import Stats
+from lse_core.stats import RequestStats, Stats
 
 log = logging.getLogger("lse")
 
@@ -41,6 +43,34 @@ class Policy:
     memory_budget: int = 0       # bytes the open models may take together; 0: no limit
     idle_unload: float = 0.0     # seconds without a request before a model is closed; 0: never
     max_waiting: int = 64        # requests waiting for one model to open; the next gets 503
+
+
+class ModelStatus(TypedDict):
+    """One model's lse_status: its state in the set and, while it is loaded, its engine's (api.LSEStatus's keys)."""
+
+    model: str
+    state: protocol.ModelState
+    reason: str | None
+    requests: Count
+    queued: Count
+    idle_s: float | None
+    memory_bytes: Count | None
+    load_s: float | None
+    context_length: NotRequired[Count]
+    devices: NotRequired[list[api.Device]]
+    placements: NotRequired[list[api.GroupPlacement]]
+    declined: NotRequired[list[str]]
+    startup_warnings: NotRequired[list[str]]
+    kv_cache: NotRequired[api.KVCache]
+    engine: NotRequired[api.EngineStatus]
+    stats: NotRequired[RequestStats]
+
+
+class Status(ModelStatus):
+    """/v1/lse/status: the asked for (or default) model's status; each model's under models."""
+
+    object: Literal["lse.status"]
+    models: list[ModelStatus]
 
 
 @dataclass(eq=False)
@@ -231,12 +261,12 @@ class ModelSet:
     def entries(self) -> list[dict[str, Any]]:
         return [self.entry(model_id) for model_id in self._entries]
 
-    def status(self, name: str | None = None) -> dict[str, Any]:
+    def status(self, name: str | None = None) -> Status:
         """lse_status of the model ``name`` (the default: the first), beside ``models``: every model's state
         and, for each open one, its lse_status (its own devices, placements and fallback counters)."""
         selected = self._entry(name).spec.id
         models = [self._model_status(e) for e in self._entries.values()]
-        return {"object": "lse.status", **next(m for m in models if m["model"] == selected), "models": models}
+        return Status(object="lse.status", **next(m for m in models if m["model"] == selected), models=models)
 
     def engines(self) -> list[tuple[str, Stats, api.LSE | None]]:
         """Each model's id, request counters (kept across opens) and its LSE handle while open: for /metrics."""
@@ -261,14 +291,13 @@ class ModelSet:
                 return entry
         raise model_not_found(name, list(self._entries))
 
-    def _model_status(self, entry: _Entry) -> dict[str, Any]:
+    def _model_status(self, entry: _Entry) -> ModelStatus:
         with self._lock:
             lse = entry.lse
             idle = time.monotonic() - entry.last_used if entry.state == LOADED and not entry.leases else None
-            state = {"model": entry.spec.id, "state": entry.state, "reason": entry.reason, "requests": entry.leases,
-                     "queued": len(entry.waiting),
-                     "idle_s": None if idle is None else round(idle, 3), "memory_bytes": entry.memory_bytes,
-                     "load_s": entry.load_seconds}
+            state = ModelStatus(model=entry.spec.id, state=entry.state, reason=entry.reason, requests=entry.leases,
+                                queued=len(entry.waiting), idle_s=None if idle is None else round(idle, 3),
+                                memory_bytes=entry.memory_bytes, load_s=entry.load_seconds)
         if lse is None:
             return state
         status = api.lse_status(lse)

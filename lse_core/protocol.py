@@ -752,8 +752,8 @@ def detokenized(text: str) -> dict[str, Any]:
 
 
 def _nullable_ref(name: str) -> Any:
-    """A JSON value whose schema openapi.py writes by hand under ``name``, or null (inside anyOf: pydantic would
-    look a bare $ref up among its own definitions)."""
+    """A JSON value whose schema is /openapi.json's component ``name`` (a reply part of its own), or null (inside
+    anyOf: pydantic would look a bare $ref up among its own definitions)."""
     return WithJsonSchema({"anyOf": [{"$ref": f"#/components/schemas/{name}"}, {"type": "null"}]})
 
 
@@ -845,6 +845,3 @@ def token_count(tokens: int) -> dict[str, Any]:
 
 def health_body(loading: bool) -> dict[str, Any]:
     return _HEALTH.dump_python(Health("loading" if loading else "ok"))
-
-
-MODEL_STATE_SCHEMA = TypeAdapter(ModelState).json_schema()   # also /v1/lse/status's state

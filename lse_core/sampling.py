@@ -15,9 +15,12 @@ that file, and old config.json files carry a serialized max_length of 20 that wa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal
 
+from pydantic import TypeAdapter, with_config
+
+from lse_core.adapters.common import REPLY_PART
 from lse_core.errors import StartupError
 
 if TYPE_CHECKING:
@@ -30,8 +33,10 @@ NEUTRAL: dict[str, float | int] = {
 }
 LIMIT_FIELDS = ("max_new_tokens", "max_length")
 DEFAULT_FIELDS = (*NEUTRAL, *LIMIT_FIELDS)
+Source = Literal["generation_config.json", "config.json", "server_option", "lse_default"]
 
 
+@with_config(REPLY_PART)   # the reply part itself: its fields are the JSON's keys, each always present
 @dataclass(frozen=True)
 class GenerationDefaults:
     """The model's defaults; ``sources[field]`` is generation_config.json, config.json,
@@ -45,13 +50,14 @@ class GenerationDefaults:
     presence_penalty: float = 0.0
     max_new_tokens: int | None = None
     max_length: int | None = None
-    sources: dict[str, str] = field(default_factory=lambda: dict.fromkeys(DEFAULT_FIELDS, "lse_default"))
+    sources: dict[str, Source] = field(default_factory=lambda: dict.fromkeys(DEFAULT_FIELDS, "lse_default"))
 
     def to_json(self) -> dict[str, Any]:
         """The spec's generation_defaults object."""
-        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
-        out["sources"] = {name: self.sources[name] for name in DEFAULT_FIELDS}
-        return out
+        return _GENERATION_DEFAULTS.dump_python(self)
+
+
+_GENERATION_DEFAULTS = TypeAdapter(GenerationDefaults)
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,11 @@
 model that checks it (lse_core.adapters), and so do the replies and reply parts declared as the pydantic types
 or TypedDicts that build them (REPLY_TYPES: chat and text completions and their chunks, usage, timings,
 lse_context, lse_warnings entries, /tokenize's and /detokenize's answers, the error body, /v1/models and its
-entries, count_tokens, embeddings, CPU-fallback counters, /health; the Responses API's response, its stream
-events and DELETE's answer; the Messages API's message, its stream events and its error body);
-the rest of the replies' schemas (model_info and lse_status, with their parts) are written here from
-spec/API.md. Its schemas are JSON Schema 2020-12; the server tests validate real responses against them, so a
-change to a hand-written reply's shape must change this file too."""
+entries, count_tokens, embeddings, CPU-fallback counters, /health, /v1/lse/model_info and /v1/lse/status; the
+Responses API's response, its stream events and DELETE's answer; the Messages API's message, its stream events
+and its error body). The schemas written here are the error responses and the paths. Its schemas are JSON Schema
+2020-12; the server tests validate real responses against them.
+"""
 
 from __future__ import annotations
 
@@ -15,18 +15,18 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from lse_core import protocol
+from lse_core import api, model_set, protocol
 from lse_core.adapters import anthropic, responses
 from lse_core.adapters.anthropic import CountTokensRequest, MessagesRequest
 from lse_core.adapters.common import TOKEN_ID_MARK, WIDTH_MARK
 from lse_core.adapters.openai import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeBody
 from lse_core.adapters.responses import ResponsesRequest
-from lse_core.config import KV_CACHE_TYPES
 from lse_core.embeddings import EmbeddingList, EmbeddingsRequest
 from lse_core.errors import Error
 from lse_core.fallback import CPUFallback
 from lse_core.limits import LSEContext
-from lse_core.protocol import MODEL_STATE_SCHEMA
+from lse_core.sampling import GenerationDefaults
+from lse_core.template.thinking import Thinking
 
 
 def ref(name: str) -> dict[str, str]:
@@ -35,10 +35,6 @@ def ref(name: str) -> dict[str, str]:
 
 def obj(required: list[str], properties: dict[str, Any], **more: Any) -> dict[str, Any]:
     return {"type": "object", "required": required, "properties": properties, **more}
-
-
-def nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"anyOf": [schema, {"type": "null"}]}
 
 
 def sse(event: dict[str, Any], done: bool = False) -> dict[str, Any]:
@@ -53,71 +49,10 @@ def json_body(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-STRING, INTEGER, NUMBER, BOOLEAN = ({"type": t} for t in ("string", "integer", "number", "boolean"))
-COUNT = {"type": "integer", "minimum": 0}
+STRING = {"type": "string"}
 ERROR_STATUSES = (400, 401, 403, 404, 413, 415, 500, 503)
 ERRORS = {str(status): {"$ref": f"#/components/responses/Error{status}"} for status in ERROR_STATUSES}
 
-MODEL_STATUS = {   # one model's lse_status: its state, and while it is loaded its engine's
-    "state": MODEL_STATE_SCHEMA, "reason": nullable(STRING), "requests": COUNT, "queued": COUNT,
-    "idle_s": nullable(NUMBER),
-    "memory_bytes": nullable(COUNT), "load_s": nullable(NUMBER),
-    "model": STRING, "context_length": COUNT,
-    "devices": {"type": "array", "items": ref("Device")},
-    "placements": {"type": "array", "items": obj(["group", "layer", "ops", "device", "cpu_fallback"], {
-        "group": COUNT, "layer": INTEGER, "ops": {"type": "array", "items": STRING},
-        "device": nullable(STRING), "cpu_fallback": nullable(STRING)},
-        description="each fused group of the plan and the device that runs it (null: refused)")},
-    "declined": {"type": "array", "items": STRING}, "startup_warnings": {"type": "array", "items": STRING},
-    "kv_cache": obj(["type_k", "type_v", "devices"], {
-        "type_k": ref("KVCacheType"), "type_v": ref("KVCacheType"),
-        "devices": {"type": "array", "items": obj(["name", "type_k", "type_v"], {
-            "name": STRING, "type_k": ref("KVCacheType"), "type_v": ref("KVCacheType")})}},
-        description="the KV cache types asked for (--cache-type-k/-v), and what each device holding a cache "
-                    "stores: f32 where it lacks the default f16 (a startup warning says so)"),
-    "engine": obj(["steps", "running", "waiting", "paused", "slots", "free_slots", "cpu_fallback"], {
-        "steps": COUNT, "running": COUNT, "waiting": COUNT, "paused": COUNT, "slots": COUNT, "free_slots": COUNT,
-        "cpu_fallback": ref("CPUFallback")}),
-    "stats": obj(["requests", "prompt_tokens", "cached_tokens", "completion_tokens"], {
-        "uptime_s": NUMBER,
-        "requests": {"type": "array", "items": obj(["endpoint", "outcome", "count"], {
-            "endpoint": STRING, "outcome": STRING, "count": COUNT})},
-        "prompt_tokens": COUNT, "cached_tokens": COUNT, "completion_tokens": COUNT}),
-}
-
-SCHEMAS: dict[str, Any] = {
-    "Thinking": obj(["supported", "source", "toggle", "effort", "default_level", "levels"], {
-        "supported": BOOLEAN, "source": nullable(STRING), "toggle": nullable({"const": "enable_thinking"}),
-        "effort": nullable({"const": "reasoning_effort"}), "default_level": nullable(STRING),
-        "levels": {"type": "array", "items": obj(
-            ["id", "enable_thinking", "reasoning_effort", "instruction", "opens_reasoning", "default"], {
-                "id": STRING, "enable_thinking": nullable(BOOLEAN), "reasoning_effort": nullable(STRING),
-                "instruction": nullable(STRING), "opens_reasoning": BOOLEAN, "default": BOOLEAN})}}),
-    "GenerationDefaults": obj(["temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                               "max_new_tokens", "max_length", "sources"], {
-        "temperature": NUMBER, "top_k": INTEGER, "top_p": NUMBER, "min_p": NUMBER,
-        "repetition_penalty": NUMBER, "presence_penalty": NUMBER,
-        "max_new_tokens": nullable(INTEGER), "max_length": nullable(INTEGER),
-        "sources": {"type": "object", "additionalProperties": {
-            "enum": ["generation_config.json", "config.json", "server_option", "lse_default"]}}}),
-    "Device": obj(["name", "kind", "codegen", "description"], {
-        "name": STRING, "kind": {"enum": ["gpu", "cpu", "accelerator"]}, "codegen": BOOLEAN,
-        "description": STRING}),
-    "ModelInfo": obj(["object", "id", "source", "architecture", "context_length", "thinking",
-                      "generation_defaults", "devices", "plan", "served"], {
-        "object": {"const": "lse.model_info"}, "id": STRING, "source": STRING, "architecture": STRING,
-        "context_length": COUNT, "trained_context_length": COUNT, "vocab_size": COUNT,
-        "thinking": ref("Thinking"), "generation_defaults": ref("GenerationDefaults"),
-        "devices": {"type": "array", "items": ref("Device")},
-        "plan": obj(["groups", "cpu_fallback_groups"], {"groups": COUNT, "cpu_fallback_groups": {
-            "type": "array", "items": STRING}}),
-        "served": ref("Model")}),
-    "Status": obj(["object", "model", "state", "models"], {
-        "object": {"const": "lse.status"}, **MODEL_STATUS,
-        "models": {"type": "array", "items": obj(["model", "state"], MODEL_STATUS)}},
-        description="the asked for (or default) model's status; each model's under models"),
-    "KVCacheType": {"enum": list(KV_CACHE_TYPES)},
-}
 
 # the replies and reply parts declared as pydantic types or TypedDicts, whose schemas are taken as they
 # serialize; a stream's events are a named union alias (TypeAliasType), which pydantic makes a component of
@@ -125,7 +60,8 @@ REPLY_TYPES = (protocol.Usage, protocol.Timings, protocol.LSEWarning, LSEContext
                protocol.Content, Error, protocol.Model, protocol.ModelList, protocol.TokenCount,
                protocol.Health, EmbeddingList, CPUFallback, protocol.ChatCompletion, protocol.ChatCompletionChunk,
                protocol.TextCompletion, protocol.TextCompletionChunk, responses.Response, responses.ResponseStreamEvent,
-               responses.DeletedResponse, anthropic.Message, anthropic.MessageStreamEvent, anthropic.AnthropicError)
+               responses.DeletedResponse, anthropic.Message, anthropic.MessageStreamEvent, anthropic.AnthropicError,
+               Thinking, GenerationDefaults, api.Device, api.ModelInfo, model_set.Status)
 
 
 def model_schemas() -> dict[str, Any]:
@@ -137,15 +73,6 @@ def model_schemas() -> dict[str, Any]:
         (m, "serialization", TypeAdapter(m)) for m in REPLY_TYPES]   # TypeAdapter: TypedDicts as well as models
     _, schema = TypeAdapter.json_schemas(inputs, ref_template="#/components/schemas/{model}")
     return schema["$defs"]
-
-
-def _merged(*parts: dict[str, Any]) -> dict[str, Any]:
-    merged: dict[str, Any] = {}
-    for part in parts:
-        if set(part) & set(merged):
-            raise RuntimeError(f"OpenAPI schema names declared twice: {sorted(set(part) & set(merged))}")
-        merged |= part
-    return merged
 
 
 ERROR_TEXT = {400: "invalid request (invalid_json, invalid_type, invalid_value, missing_field, context_full, "
@@ -221,7 +148,7 @@ OPENAPI: dict[str, Any] = {
              "description": "LSE's OpenAI-compatible API, with LSE's own fields (stop_reason, lse_context, "
                             "timings, lse_warnings, thinking levels, generation defaults)."},
     "components": {
-        "schemas": _merged(SCHEMAS, model_schemas()),
+        "schemas": model_schemas(),
         "responses": {f"Error{status}": json_body(ref("Error"), text) for status, text in ERROR_TEXT.items()},
         "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer",
                                        "description": "only when lse-server runs with --api-key"},

@@ -11,12 +11,12 @@ from lse_core.errors import LSEError
 from lse_core.template.probe import probe
 from lse_core.template.reasoning import ReasoningSplitter, reasoning_splitter
 from lse_core.template.render import ChatTemplate
-from lse_core.template.thinking import Thinking, resolve_level, template_variables
+from lse_core.template.thinking import TemplateThinking, resolve_level, template_variables
 
 FIXTURES = Path("/work/shared/fixtures/chat_templates")
 
 
-def thinking_of(name: str) -> Thinking:
+def thinking_of(name: str) -> TemplateThinking:
     path = FIXTURES / name
     return probe(ChatTemplate(path.read_text(), str(path), {"bos_token": "<s>", "eos_token": "</s>"}))
 
@@ -29,12 +29,12 @@ SMOLLM2 = thinking_of("HuggingFaceTB-SmolLM2-135M-Instruct.jinja")  # no control
 QWEN38_LEVELS = ["none", "xhigh", "medium", "low"]
 
 
-def level_id(thinking: Thinking, body: dict, endpoint: str = "chat") -> str | None:
+def level_id(thinking: TemplateThinking, body: dict, endpoint: str = "chat") -> str | None:
     level = resolve_level(thinking, body, endpoint)
     return level.id if level else None
 
 
-def error_of(thinking: Thinking, body: dict, endpoint: str = "chat") -> dict:
+def error_of(thinking: TemplateThinking, body: dict, endpoint: str = "chat") -> dict:
     with pytest.raises(LSEError) as raised:
         resolve_level(thinking, body, endpoint)
     assert raised.value.status == 400
@@ -136,7 +136,7 @@ def test_unsupported_reasoning_effort_is_the_spec_body() -> None:
     (QWEN3, {"chat_template_kwargs": {"reasoning_effort": "low"}}, "chat_template_kwargs.reasoning_effort"),
     (SOLAR, {"reasoning_effort": "none"}, "reasoning_effort"),                 # no switch: no none level
 ])
-def test_unsupported_reasoning_effort(thinking: Thinking, body: dict, param: str) -> None:
+def test_unsupported_reasoning_effort(thinking: TemplateThinking, body: dict, param: str) -> None:
     error = error_of(thinking, body)
     assert (error["code"], error["param"], error["levels"]) == \
         ("unsupported_reasoning_effort", param, thinking.level_ids)

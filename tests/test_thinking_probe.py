@@ -9,7 +9,7 @@ import pytest
 from lse_core.template.diff import added_text, system_frames
 from lse_core.template.probe import probe
 from lse_core.template.render import ChatTemplate
-from lse_core.template.thinking import Thinking
+from lse_core.template.thinking import TemplateThinking
 
 # Effort levels low and high, no switch; unset is high. The two texts share their first word.
 EFFORT = r"""
@@ -97,11 +97,11 @@ ALWAYS_ONE_WRITES_NONE = ALWAYS_THREE.replace(r"""
 {%- set level_text = {'low': 'Think briefly.\n', 'high': 'Think hard.\n'}.get(effort, '') %}""" + LEVEL_TEXT_FIRST)
 
 
-def probed(source: str) -> Thinking:
+def probed(source: str) -> TemplateThinking:
     return probe(ChatTemplate(source, "synthetic.jinja"))
 
 
-def levels_of(thinking: Thinking) -> list[tuple[str, str | None, bool, bool]]:
+def levels_of(thinking: TemplateThinking) -> list[tuple[str, str | None, bool, bool]]:
     return [(level.id, level.instruction, level.opens_reasoning, level.default) for level in thinking.levels]
 
 

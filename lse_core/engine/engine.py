@@ -7,7 +7,9 @@ import threading
 from collections.abc import Callable
 
 import numpy as np
+from typing_extensions import TypedDict
 
+from lse_core.adapters.common import Count
 from lse_core.engine.runner import Runner, sampling_arrays
 from lse_core.engine.scheduler import Scheduler
 from lse_core.engine.sequence import Delta, SeqParams, Sequence
@@ -16,6 +18,16 @@ from lse_core.graph.ir import PENALTY_WINDOW, SAMPLING_OP_NEEDED
 from lse_core.graph.plan import Plan
 
 log = logging.getLogger("lse")
+
+
+class EngineLoad(TypedDict):
+    """The scheduler's requests and KV slots, as lse_status and /metrics read them."""
+
+    running: Count
+    waiting: Count
+    paused: Count
+    slots: Count
+    free_slots: Count
 
 
 class Engine:
@@ -71,12 +83,12 @@ class Engine:
         self._thread.join(timeout=30)
 
     @property
-    def load(self) -> dict[str, int]:
+    def load(self) -> EngineLoad:
         with self._cond:
-            return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                    "paused": sum(s.paused for s in self.scheduler.running),
-                    "slots": self.scheduler.slots.n_free + len(self.scheduler.running),
-                    "free_slots": self.scheduler.slots.n_free}
+            return EngineLoad(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                              paused=sum(s.paused for s in self.scheduler.running),
+                              slots=self.scheduler.slots.n_free + len(self.scheduler.running),
+                              free_slots=self.scheduler.slots.n_free)
 
     def _loop(self) -> None:
         while True:

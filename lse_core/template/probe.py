@@ -17,7 +17,7 @@ from jinja2 import nodes
 from lse_core.template.diff import added_text, appended_prompt, level_units, system_frames
 from lse_core.template.reasoning import opens_reasoning
 from lse_core.template.render import ChatTemplate, TemplateLimitError, describe_error, time_limit
-from lse_core.template.thinking import EFFORT, TOGGLE, Level, Thinking
+from lse_core.template.thinking import EFFORT, TOGGLE, Level, TemplateThinking
 
 SYSTEM_TEXT = "LSE probe system prompt."
 USER_TEXT = "LSE probe user message."
@@ -219,10 +219,10 @@ def reasoning_markers(template: ChatTemplate, prompts: list[str], history: str |
 # --- the probe ---------------------------------------------------------------------------------------------
 
 
-def probe(template: ChatTemplate | None) -> Thinking:
+def probe(template: ChatTemplate | None) -> TemplateThinking:
     """The thinking levels of `template` (run once at load); no template gives supported false."""
     if template is None:
-        return Thinking()
+        return TemplateThinking()
     try:
         with time_limit():
             return _probe(template)
@@ -230,7 +230,7 @@ def probe(template: ChatTemplate | None) -> Thinking:
         raise template.startup_error(describe_error(error)) from error
 
 
-def _probe(template: ChatTemplate) -> Thinking:
+def _probe(template: ChatTemplate) -> TemplateThinking:
     renderer, usable = _plain_renderer(template)
 
     def renderings(variables: dict[str, Any]) -> tuple[Rendering, ...]:
@@ -274,9 +274,9 @@ def _probe(template: ChatTemplate) -> Thinking:
         levels.append(Level(id=cid, enable_thinking=enable, reasoning_effort=effort, instruction=instruction,
                             generation_prompt=prompt, opens_reasoning=opens_reasoning(prompt, markers),
                             default=cid == default_id))
-    return Thinking(source=template.path, toggle=TOGGLE if has_toggle else None, effort=EFFORT if efforts else None,
-                    levels=tuple(levels), open_marker=markers[0] if markers else None,
-                    close_marker=markers[1] if markers else None)
+    return TemplateThinking(source=template.path, toggle=TOGGLE if has_toggle else None,
+                            effort=EFFORT if efforts else None, levels=tuple(levels),
+                            open_marker=markers[0] if markers else None, close_marker=markers[1] if markers else None)
 
 
 def _instructions(renderer: _Renderer, usable: list[int], has_toggle: bool,

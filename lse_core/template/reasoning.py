@@ -7,7 +7,7 @@ visible text, leading whitespace and a possible opening marker.
 
 from __future__ import annotations
 
-from lse_core.template.thinking import Level, Thinking
+from lse_core.template.thinking import Level, TemplateThinking
 
 
 def _partial_marker(text: str, marker: str) -> int:
@@ -81,7 +81,7 @@ def opens_reasoning(prompt: str, markers: tuple[str, str] | None) -> bool:
     return markers is not None and markers[0] in prompt and prompt.rfind(markers[0]) > prompt.rfind(markers[1])
 
 
-def reasoning_splitter(thinking: Thinking, level: Level | None, prompt: str) -> ReasoningSplitter | None:
+def reasoning_splitter(thinking: TemplateThinking, level: Level | None, prompt: str) -> ReasoningSplitter | None:
     """The splitter for the reply to `prompt` (the rendered chat prompt, or a completion's own prompt), or None
     when the template has no reasoning markers or the level turns thinking off."""
     if thinking.open_marker is None or thinking.close_marker is None or (level is not None and not level.thinks):

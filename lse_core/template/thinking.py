@@ -7,7 +7,9 @@ spelling of reasoning_effort and enable_thinking, the four resolution rules and 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+from typing_extensions import TypedDict
 
 from lse_core.errors import LSEError, invalid_request
 
@@ -15,6 +17,28 @@ TOGGLE = "enable_thinking"
 EFFORT = "reasoning_effort"
 # Template variables the renderer passes itself; chat_template_kwargs cannot replace them.
 _RENDER_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt"})
+
+
+class ThinkingLevel(TypedDict):
+    """A level as lse_model_info and /v1/models show it."""
+
+    id: str
+    enable_thinking: bool | None
+    reasoning_effort: str | None
+    instruction: str | None
+    opens_reasoning: bool
+    default: bool
+
+
+class Thinking(TypedDict):
+    """The template's thinking object as lse_model_info and /v1/models show it (TemplateThinking.to_json)."""
+
+    supported: bool
+    source: str | None
+    toggle: Literal["enable_thinking"] | None
+    effort: Literal["reasoning_effort"] | None
+    default_level: str | None
+    levels: list[ThinkingLevel]
 
 
 @dataclass(frozen=True)
@@ -31,13 +55,15 @@ class Level:
     def thinks(self) -> bool:
         return self.enable_thinking is not False
 
-    def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "enable_thinking": self.enable_thinking, "reasoning_effort": self.reasoning_effort,
-                "instruction": self.instruction, "opens_reasoning": self.opens_reasoning, "default": self.default}
+    def to_json(self) -> ThinkingLevel:
+        return ThinkingLevel(id=self.id, enable_thinking=self.enable_thinking, reasoning_effort=self.reasoning_effort,
+                             instruction=self.instruction, opens_reasoning=self.opens_reasoning, default=self.default)
 
 
 @dataclass(frozen=True)
-class Thinking:
+class TemplateThinking:
+    """What the chat template offers (probe.probe); its JSON, the reply part, is Thinking."""
+
     source: str | None = None
     toggle: str | None = None
     effort: str | None = None
@@ -60,10 +86,11 @@ class Thinking:
     def level(self, level_id: str) -> Level | None:
         return next((level for level in self.levels if level.id == level_id), None)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> Thinking:
         default = self.default_level
-        return {"supported": self.supported, "source": self.source, "toggle": self.toggle, "effort": self.effort,
-                "default_level": default.id if default else None, "levels": [level.to_json() for level in self.levels]}
+        return Thinking(supported=self.supported, source=self.source, toggle=self.toggle, effort=self.effort,
+                        default_level=default.id if default else None,
+                        levels=[level.to_json() for level in self.levels])
 
 
 @dataclass(frozen=True)
@@ -153,7 +180,7 @@ def _request_level(effort: _Sent | None, switch: _Sent | None, levels: list[str]
                  instruction=None, generation_prompt="", opens_reasoning=False)
 
 
-def resolve_level(thinking: Thinking, body: dict[str, Any], endpoint: str) -> Level | None:
+def resolve_level(thinking: TemplateThinking, body: dict[str, Any], endpoint: str) -> Level | None:
     """The level a request gets, or None when the template is rendered with no thinking variables.
 
     endpoint is "chat" or "completion". Raises LSEError 400 (invalid_request_error) with code
