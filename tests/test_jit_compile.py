@@ -50,3 +50,42 @@ def test_importing_the_backend_compiles_none_of_the_programs_kernels(tmp_path):
     assert first["work"] == 0
     assert not [name for name in first["compiled"] if name.startswith(("quant.", "attention.", "program._work"))]
 
+
+
+COMPILE_THE_KERNELS = """
+import json, logging, os, sys
+logging.basicConfig(level="WARNING", format="%(message)s", stream=sys.stderr)
+if os.environ.get("BROKEN_SECOND_PROCESS"):
+    sys.executable = "/bin/false"   # the second process exits 1 at once
+from lse_backends.jit import cache, program
+program.compiled_kernels()
+print(json.dumps({"compiled": [c.name for c in cache.COMPILED]}))
+"""
+
+
+def compile_the_kernels(tmp_path: Path, **env: str) -> tuple[list[str], list[str]]:
+    environ = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), NUMBA_CACHE_DIR=str(tmp_path / "numba"),
+                   LSE_JIT_CACHE=str(tmp_path / "generated"), **env)
+    result = subprocess.run([sys.executable, "-c", COMPILE_THE_KERNELS], env=environ, capture_output=True, text=True,
+                            check=True, timeout=600)
+    return json.loads(result.stdout)["compiled"], [line for line in result.stderr.splitlines() if "jit:0" in line]
+
+
+def test_a_cold_compile_shares_the_kernels_with_a_second_process_and_does_its_share_should_it_fail(tmp_path):
+    """Two processes compile a cold cache's kernels at once (numba compiles under one lock per process); this
+    one loads the other's from the disk cache. Should the other fail, this one compiles them and says why."""
+    from lse_backends.jit import program
+
+    compiled, lines = compile_the_kernels(tmp_path)
+    second = {f"quant.{n}" if n == "linear_pairs" else f"attention.{n}" for n in program.SECOND_PROCESS}
+    assert "program._work" in compiled and "attention.attention" in compiled
+    assert not second & set(compiled)
+    assert any(line.startswith(f"lse: jit:0 compiled {', '.join(program.SECOND_PROCESS)} in the second process")
+               for line in lines)
+
+    for path in (tmp_path / "numba").rglob("*"):   # forget the second process's kernels only
+        if path.is_file() and any(name.split(".")[1] in path.name for name in second):
+            path.unlink()
+    compiled, lines = compile_the_kernels(tmp_path, BROKEN_SECOND_PROCESS="1")
+    assert second <= set(compiled) and "program._work" not in compiled   # the rest loads from the cache
+    assert any("the second compile process failed (exit 1)" in line for line in lines)

@@ -7,7 +7,8 @@ function holds kernels.expf. Edit one of those files and the callers' cached cod
 old kernels, on data laid out the new way. So every function cached from this package's directory, or from
 the directory of generated sources, is stamped with its own file and every source file of this package.
 
-A cold cache means a minute or more of compiling on two cores. ``CompileMonitor`` follows numba's compile
+A cold cache means half a minute or more of compiling on two cores; ``compiling_beside`` lets a second process
+take part of it. ``CompileMonitor`` follows numba's compile
 events, so that nothing compiles in silence: each outermost compile of this package's functions is a stage,
 shown while it runs as a tqdm bar on a terminal (the functions compiled so far and the one compiling now)
 and logged as a line when it starts and ends (a server's log), and every function compiled is recorded in
@@ -20,6 +21,9 @@ import functools
 import hashlib
 import logging
 import os
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -174,3 +178,42 @@ def install() -> None:
     if PackageLocator not in _CacheImpl._locator_classes:
         _CacheImpl._locator_classes.insert(0, PackageLocator)
         event.register("numba:compile", _MONITOR)
+
+
+def is_cached(dispatcher, signature) -> bool:
+    """Whether compiling ``dispatcher`` for ``signature`` would load it from the disk cache: its index holds
+    the signature for these sources and this CPU (numba's own lookup, without loading the code)."""
+    store = dispatcher._cache
+    return store._index_key(signature, dispatcher.targetctx.codegen()) in store._cache_file._load_index()
+
+
+class CompileBeside:
+    """A second Python process that runs ``call``, code that compiles ``what`` into the disk cache, while this
+    one goes on (loading the model, compiling the rest): numba compiles under one lock per process, so two
+    processes are what use two cores. ``join`` waits for it; should it fail, it says why, and what it was to
+    compile compiles here when it is next asked for (its cache entries are missing)."""
+
+    def __init__(self, call: str, what: str) -> None:
+        log.warning("lse: jit:0 compiling %s in a second process meanwhile", what)
+        self.what, self.began = what, time.perf_counter()
+        self.errors = tempfile.TemporaryFile()
+        path = os.pathsep.join([str(PACKAGE.parent.parent), os.environ.get("PYTHONPATH", "")])  # this checkout's
+        self.child = subprocess.Popen([sys.executable, "-c", call], stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, stderr=self.errors,
+                                      env=os.environ | {"PYTHONPATH": path})
+
+    def join(self) -> None:
+        code = self.child.wait()
+        self.errors.seek(0)
+        if code != 0:
+            log.warning("lse: jit:0 the second compile process failed (exit %d), compiling %s here: %s", code,
+                        self.what, self.errors.read().decode(errors="replace")[-2000:])
+        else:
+            log.warning("lse: jit:0 compiled %s in the second process in %.1f s", self.what,
+                        time.perf_counter() - self.began)
+        self.errors.close()
+
+
+def compile_beside(call: str, what: str) -> CompileBeside | None:
+    """A CompileBeside, where this process may run on more than one core."""
+    return CompileBeside(call, what) if len(os.sched_getaffinity(0)) > 1 else None

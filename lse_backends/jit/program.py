@@ -55,10 +55,19 @@ _LIST_TYPES = {  # every typed list ``execute`` takes, by the kind of thing it h
 
 
 _INDICES, _STEP = types.int64[::1], types.int32[::1]  # int64 counts and counters; a Step's int32 arrays
+_ACT, _QMAT, _CACHE = _LIST_TYPES["acts"], _LIST_TYPES["qmats"], _LIST_TYPES["caches"]
+_INT = types.int64
+# The kernels _run calls through function pointers (``compiled_kernels()``), as they are called there
+_LINEAR_PAIRS = types.FunctionType(types.UniTuple(_INT, 2)(
+    _INT, _QMAT, _ACT, _ACT, _INT, _INT, types.float32[::1], types.boolean))
+_STORE_KV = types.FunctionType(types.void(_ACT, _ACT, _CACHE, _CACHE, _INT, _INT, _STEP, _INDICES, _INT, _INT))
+_ATTENTION = types.FunctionType(types.void(
+    _ACT, _CACHE, _CACHE, _INT, _INT, _STEP, _INDICES, _INT, types.float32, _INT, _ACT, _INT, _INT))
 _WORK_SIGNATURE = types.void(
     types.int64[:, ::1], types.float32[:, ::1], *[types.ListType(_LIST_TYPES[kind]) for kind in ("acts", "flats")],
     _INDICES, *[types.ListType(_LIST_TYPES[kind]) for kind in ("mats", "qmats", "vecs", "caches", "fns")],
-    _STEP, _STEP, _INDICES, _STEP, _INDICES, types.int64, types.int64, types.boolean)
+    _STEP, _STEP, _INDICES, _STEP, _INDICES, types.int64, types.int64, types.boolean,
+    _LINEAR_PAIRS, _STORE_KV, _ATTENTION)
 
 
 # only the thread loop becomes parallel code: numba's other parallel rewrites (array expressions, slices)
@@ -165,8 +174,9 @@ def _items(c, phase, n, acts, mats, qmats, caches, n_threads):
 
 @njit(cache=True, nogil=True)
 def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, caches, fns, tokens, positions,
-         row_slot, sample_rows, scratch, row_invariant):
-    """Work item ``item`` of ``n_items`` of instruction ``c``'s phase, on n rows."""
+         row_slot, sample_rows, scratch, row_invariant, linear_pairs, store_kv, attention):
+    """Work item ``item`` of ``n_items`` of instruction ``c``'s phase, on n rows; the largest kernels are
+    the last arguments' (quant.linear_pairs, attention.store_kv and attention.attention, see ``compiled_kernels()``)."""
     op, out = c[0], c[OUT]
     t0, t1 = _span(n, n_items, item)  # the item's rows, for the row-wise ops
     if op == EMBED:
@@ -194,17 +204,17 @@ def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, cac
             pairs = quant.linear_items_most(weight.shape[0])
             if max(p0, first) < min(p1, first + pairs):
                 y = acts[c[OUT + part]][:n]
-                r0, r1 = quant.linear_pairs(c[ARG + 1], weight, x, y, max(p0, first) - first,
-                                            min(p1, first + pairs) - first, scratch, row_invariant)
+                r0, r1 = linear_pairs(c[ARG + 1], weight, x, y, max(p0, first) - first,
+                                      min(p1, first + pairs) - first, scratch, row_invariant)
                 _add_bias(vecs, c[_bias_arg(part)], y, r0, r1)
             first += pairs
     elif op == ATTENTION and phase == 0:
-        attention.store_kv(acts[c[IN + 1]], acts[c[IN + 2]], caches[c[ARG]], caches[c[ARG + 1]], c[ARG + 4],
-                           c[ARG + 5], positions, row_slot, t0, t1)
+        store_kv(acts[c[IN + 1]], acts[c[IN + 2]], caches[c[ARG]], caches[c[ARG + 1]], c[ARG + 4], c[ARG + 5],
+                 positions, row_slot, t0, t1)
     elif op == ATTENTION:
         i0, i1 = _span(n * caches[c[ARG]].shape[1], n_items, item)
-        attention.attention(acts[c[IN]][:n], caches[c[ARG]], caches[c[ARG + 1]], c[ARG + 4], c[ARG + 5], positions,
-                            row_slot, c[ARG + 2], scalar, c[ARG + 3], acts[out][:n], i0, i1)
+        attention(acts[c[IN]][:n], caches[c[ARG]], caches[c[ARG + 1]], c[ARG + 4], c[ARG + 5], positions,
+                  row_slot, c[ARG + 2], scalar, c[ARG + 3], acts[out][:n], i0, i1)
     elif op == FUSED:
         s0, s1 = _span(n * acts[c[IN]].shape[1], n_items, item)
         empty = np.empty(0, np.float32)
@@ -218,9 +228,9 @@ def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, cac
                 y[i, j] = x[sample_rows[i], j]
 
 
-@njit(cache=True, nogil=True)  # compiled by work_list(), when a program first runs: not at every import
+@njit(cache=True, nogil=True)  # compiled by compiled_kernels(), when a program first runs: not at every import
 def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tokens, positions, row_slot,
-          sample_rows, counters, n_threads, thread, row_invariant):
+          sample_rows, counters, n_threads, thread, row_invariant, linear_pairs, store_kv, attention):
     """Thread ``thread``'s part. Each task (an instruction, or one of its phases) starts once the one
     before it is done. A task of one item is thread 0's: the other threads go on to the next task of
     several, so a chain of small ops costs them one wait, not one each. The items of a task of several
@@ -251,18 +261,19 @@ def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tok
                             quant.quantize_activations(c[ARG + 1], acts[c[IN]][:n], scratch, row_invariant)
                             quantized_for = k
                         _run(c, phase, item, n_items, n, floats[k, 0], acts, flats, mats, qmats, vecs, caches, fns,
-                             tokens, positions, row_slot, sample_rows, scratch, row_invariant)
+                             tokens, positions, row_slot, sample_rows, scratch, row_invariant, linear_pairs, store_kv,
+                             attention)
                         atomics.fetch_add(counters, done, 1)  # after the item's writes: whoever sees it sees them
                         item = first + atomics.fetch_add(counters, done + (owner + 1) * LINE, 1)
             before, before_items = done, n_items
 
 
 @njit(cache=True, nogil=True, parallel=_THREADS_ONLY)
-def execute(work, code, floats, acts, flats, rows, mats, qmats, vecs, caches, fns,
+def execute(kernels, code, floats, acts, flats, rows, mats, qmats, vecs, caches, fns,
             tokens, positions, slots, query_starts, sample_rows, counters, n_threads, row_invariant):
     """Run every instruction in order on ``n_threads`` threads (numba's count: each gets one part).
     ``rows`` holds each value's live row count (set for the inputs); ``counters`` has at least
-    ``counter_size(n_instructions, n_threads)`` int64s; ``work`` is ``work_list()``; ``row_invariant``:
+    ``counter_size(n_instructions, n_threads)`` int64s; ``kernels`` is ``compiled_kernels()``; ``row_invariant``:
     each row computed as a one-token step computes it (quant._groups), whatever else the step holds."""
     row_slot = np.empty(tokens.shape[0], np.int64)  # each token row's KV cache slot
     for i in range(slots.shape[0]):
@@ -278,31 +289,67 @@ def execute(work, code, floats, acts, flats, rows, mats, qmats, vecs, caches, fn
     # one parallel region for the whole program, its threads meeting at each instruction's end, instead
     # of waking them for each parallel op (hundreds a step)
     for thread in prange(n_threads):  # np.int64: numba types the index unsigned when it lowers the loop
-        work[0](code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tokens, positions, row_slot,
-                sample_rows, counters, n_threads, np.int64(thread), row_invariant)
+        kernels[0][0](code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tokens, positions,
+                      row_slot, sample_rows, counters, n_threads, np.int64(thread), row_invariant, kernels[1][0],
+                      kernels[2][0], kernels[3][0])
 
 
-_WORK_TYPE = types.FunctionType(_WORK_SIGNATURE)
+# name -> (function, its type as execute passes it), in execute's order
+_KERNELS = {"work": (_work, types.FunctionType(_WORK_SIGNATURE)), "linear_pairs": (quant.linear_pairs, _LINEAR_PAIRS),
+            "store_kv": (attention.store_kv, _STORE_KV), "attention": (attention.attention, _ATTENTION)}
+# What a second process compiles on a cold start while this one compiles the rest: about half the CPU time
+# (measured on the 2-core Zen 3: linear_pairs 8 s, store_kv 6 s, against _work 17 s and attention 9 s)
+SECOND_PROCESS = ("linear_pairs", "store_kv")
 
 
-@njit(types.ListType(_WORK_TYPE)(_WORK_TYPE), cache=True)
-def _listed(work):
-    """[work] as a typed list (built in compiled code, so its methods are cached, not compiled per process)."""
-    result = typed.List.empty_list(_WORK_TYPE)
-    result.append(work)
+@njit(cache=True)
+def _one(function):
+    result = typed.List()
+    result.append(function)
     return result
 
 
+@njit(types.Tuple([types.ListType(t) for _, t in _KERNELS.values()])(*[t for _, t in _KERNELS.values()]), cache=True)
+def _listed(work, linear_pairs, store_kv, attention):
+    """Each function as a typed list of one (built in compiled code, so their methods are cached, not
+    compiled per process)."""
+    return _one(work), _one(linear_pairs), _one(store_kv), _one(attention)
+
+
+def compile_kernels(names: Sequence[str]) -> None:
+    """Compile these of _KERNELS for their types, or load them from the disk cache."""
+    for name in names:
+        function, kind = _KERNELS[name]
+        function.compile(kind.signature)
+
+
 @functools.cache
-def work_list() -> typed.List:
-    """[_work] as ``execute`` calls it: through a function pointer, so that execute's compiled code does
-    not hold _work's, and numba compiles execute in 2 s instead of re-optimizing all of _work in it (25 s
-    of a cold start). Passed in a list: a function argument is looked up at every call (1 ms here).
-    _work compiles here (or loads from the cache), when a program first runs, so that a process that imports
-    the jit backend but runs nothing on jit:0 (another pool) does not compile its half-minute of kernels."""
-    _work.compile(_WORK_SIGNATURE.args)
-    _work.disable_compile()  # as @njit(_WORK_SIGNATURE) would: _listed converts it to its function type
-    return _listed(_work)
+def second_compile() -> cache.CompileBeside | None:
+    """SECOND_PROCESS's kernels compiling in a second process, started at the first call (JitDevice's first
+    group, while the model loads) where the disk cache lacks them; None where it has them."""
+    if all(cache.is_cached(function, kind.signature) for function, kind in (_KERNELS[n] for n in SECOND_PROCESS)):
+        return None
+    return cache.compile_beside(f"from {__name__} import compile_kernels; compile_kernels({SECOND_PROCESS!r})",
+                                ", ".join(SECOND_PROCESS))
+
+
+@functools.cache
+def compiled_kernels() -> tuple[typed.List, ...]:
+    """[_work], [quant.linear_pairs], [attention.store_kv], [attention.attention] as ``execute`` calls them:
+    through function pointers. numba links a callee's code into its caller's and optimizes and emits the
+    whole again, at every level of calls; through a pointer each of these compiles once, on its own: execute
+    in 2 s instead of re-optimizing all of _work in it (25 s of a cold start), and _work without the largest
+    kernels in it (CPU time of the cold compile 42 -> 31 s on the 2-core Zen 3). Being apart, they compile in
+    two processes at once (``second_compile``). Passed in lists: a function argument is looked up at every
+    call (1 ms here). They compile here (or load from the cache), when a program first runs, so that a
+    process that imports the jit backend but runs nothing on jit:0 (another pool) does not compile its
+    half-minute of kernels."""
+    beside = second_compile()
+    compile_kernels([name for name in _KERNELS if name not in SECOND_PROCESS])
+    if beside is not None:
+        beside.join()
+    compile_kernels(SECOND_PROCESS)   # loads what the second process compiled (or, should it have failed, compiles)
+    return _listed(*(function for function, _ in _KERNELS.values()))
 
 
 @dataclass
@@ -416,7 +463,7 @@ class Program:
             self.counters = np.zeros(counter_size(len(self.instructions), n_threads), np.int64)
         indices = [np.ascontiguousarray(a, np.int32) for a in  # _work's signature: int32, contiguous
                    (step.tokens, step.positions, step.slots, step.query_starts, step.sample_rows)]
-        execute(work_list(), self.code, self.floats, self.typed_acts, self.typed_flats, self.rows, lists["mats"],
+        execute(compiled_kernels(), self.code, self.floats, self.typed_acts, self.typed_flats, self.rows, lists["mats"],
                 lists["qmats"], lists["vecs"], lists["caches"], lists["fns"], *indices, self.counters, n_threads,
                 self.row_invariant)
         return [self.acts[self.slot[name]][:self.rows[self.slot[name]]] for name in self.outputs]

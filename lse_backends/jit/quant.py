@@ -842,12 +842,23 @@ def linear(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, row_in
             linear_item(kind, blocks, x, out, item, n_items, scratch, row_invariant)
 
 
-@njit(cache=True, nogil=True, fastmath={"reassoc", "nsz"})
+@njit(cache=True, nogil=True)
 def _dot_rows(x, weights, out):
-    """out[t] = x[t] . weights (reassociated: LLVM vectorizes it)."""
+    """out[t] = x[t] . weights, in LANES partial sums of every LANES-th value, then added in a fixed order: LLVM
+    vectorizes the lanes without reassociating, so a row's bits do not depend on the code this is compiled or
+    inlined into (with reassociation LLVM chose the order by the context, and one-row and many-row calls
+    differed in the last bit)."""
+    n = weights.shape[0]
+    whole = n // LANES * LANES
     for t in range(x.shape[0]):
+        lanes = np.zeros(LANES, np.float32)
+        for i in range(0, whole, LANES):
+            for lane in range(LANES):
+                lanes[lane] += x[t, i + lane] * weights[i + lane]
         total = np.float32(0.0)
-        for i in range(weights.shape[0]):
+        for lane in range(LANES):
+            total += lanes[lane]
+        for i in range(whole, n):
             total += x[t, i] * weights[i]
         out[t] = total
 
@@ -915,7 +926,7 @@ def embed_rows(kind: int, blocks: np.ndarray, tokens: np.ndarray, scale: float, 
     """out[t] = row tokens[t] of the table laid out by ``prepare``, dequantized as gguf does, * scale."""
     scale = np.float32(scale)
     for t in range(tokens.shape[0]):
-        _dequantize_row(kind, blocks, tokens[t], out[t])
+        _dequantize_row(kind, blocks, np.int64(tokens[t]), out[t])   # int64, as linear_pairs': compiled once
         for i in range(out.shape[1]):
             out[t, i] *= scale
 
