@@ -216,4 +216,5 @@ class CompileBeside:
 
 def compile_beside(call: str, what: str) -> CompileBeside | None:
     """A CompileBeside, where this process may run on more than one core."""
-    return CompileBeside(call, what) if len(os.sched_getaffinity(0)) > 1 else None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return CompileBeside(call, what) if cores > 1 else None
