@@ -309,7 +309,10 @@ def _one(function):
     return result
 
 
-@njit(types.Tuple([types.ListType(t) for _, t in _KERNELS.values()])(*[t for _, t in _KERNELS.values()]), cache=True)
+_LISTED = types.Tuple([types.ListType(t) for _, t in _KERNELS.values()])(*[t for _, t in _KERNELS.values()])
+
+
+@njit(cache=True)  # for _LISTED only, by compiled_kernels(): not at every import (2 s on a cold cache)
 def _listed(work, linear_pairs, store_kv, attention):
     """Each function as a typed list of one (built in compiled code, so their methods are cached, not
     compiled per process)."""
@@ -349,6 +352,8 @@ def compiled_kernels() -> tuple[typed.List, ...]:
     if beside is not None:
         beside.join()
     compile_kernels(SECOND_PROCESS)   # loads what the second process compiled (or, should it have failed, compiles)
+    _listed.compile(_LISTED)
+    _listed.disable_compile()   # as an explicit signature would: the functions convert to their types
     return _listed(*(function for function, _ in _KERNELS.values()))
 
 
