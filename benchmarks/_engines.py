@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 ENGINES = ("lse", "lse-cpu0", "llama.cpp", "transformers")
+GGML_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}   # llama.cpp's type ids for --cache-type-k/-v (ggml.h's ggml_type)
 LLAMA_CPP_INSTALL = ("python benchmarks/install_llama_cpp.py (builds llama.cpp from source with the flags this "
                      "CPU needs, ~6 minutes on 2 cores)")
 
@@ -69,7 +70,8 @@ class LSEEngine:
         from lse_core.config import LSEConfig
 
         self.lse = lse_open_or_raise(LSEConfig(model=spec["model"], pool=pool, parallel=self.max_batch,
-                                               kv_len=spec["kv_len"]))
+                                               kv_len=spec["kv_len"], cache_type_k=spec["cache_type_k"],
+                                               cache_type_v=spec["cache_type_v"]))
         self.devices = [d.info.name for d in self.lse.devices]
 
     def _request(self, prompt: list[int], max_tokens: int, stream: Stream) -> dict[str, Any]:
@@ -139,8 +141,10 @@ class LlamaCppEngine:
         except ImportError as e:
             raise EngineMissing(f"llama-cpp-python is not installed; install it with: {LLAMA_CPP_INSTALL}") from e
 
+        quantized_v = spec["cache_type_v"] != "f16" and spec["cache_type_v"] != "f32"
         self.llm = Llama(spec["model"], n_ctx=spec["kv_len"], n_batch=512, n_threads=spec["threads"],
-                         n_threads_batch=spec["threads"], verbose=False)
+                         n_threads_batch=spec["threads"], type_k=GGML_TYPES[spec["cache_type_k"]],
+                         type_v=GGML_TYPES[spec["cache_type_v"]], flash_attn=quantized_v, verbose=False)
         self.stop_ids = set(spec["stop_ids"])
         self.devices = [f"cpu, {spec['threads']} threads"]
 

@@ -34,6 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _engines import ENGINES  # noqa: E402  (a sibling file, not a package)
 
+from lse_core.config import KV_CACHE_TYPES  # noqa: E402
 from lse_core.model.default import default_model_path, load_model  # noqa: E402
 from lse_core.model.model import QuantTensor  # noqa: E402
 
@@ -266,6 +267,8 @@ def notes(report: dict[str, Any]) -> str:
              "Threads: " + ", ".join(f"{k}={s['threads']}" for k in THREAD_VARIABLES) + "; "
              f"torch.set_num_threads({s['threads']}); llama.cpp n_threads={s['threads']}, "
              f"n_threads_batch={s['threads']}.",
+             f"KV cache: k {s['cache_type_k']} / v {s['cache_type_v']} for LSE and llama.cpp (llama.cpp with flash "
+             "attention where v is quantized, as it requires); transformers keeps its float32 cache.",
              "Environment the engines ran with: "
              + ", ".join(f"{k}={v}" for k, v in report["environment"].items()),
              f"Machine: {m['cpu']}, {m['cores']} cores, load average {m['load_average']} at the start "
@@ -301,6 +304,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="threads for every engine: " + ", ".join(THREAD_VARIABLES) + ", torch, llama.cpp")
     p.add_argument("--openblas-coretype", help="set OPENBLAS_CORETYPE for the engines ('' unsets it); "
                    "default: leave the environment's value")
+    p.add_argument("--cache-type-k", choices=KV_CACHE_TYPES, default="f16",
+                   help="the KV cache's key type for LSE and llama.cpp (default f16, both engines' default)")
+    p.add_argument("--cache-type-v", choices=KV_CACHE_TYPES, default="f16", help="its value type, likewise")
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--max-tokens-single", type=int, default=128, help="new tokens in the single-stream decode")
     p.add_argument("--max-tokens-batch", type=int, default=64, help="new tokens per sequence when concurrent")
@@ -332,7 +338,8 @@ def run_model(path: str, args: argparse.Namespace) -> dict[str, Any]:
     longest_decode = max(len(ids) for ids in prompts["decode_prompts"]) + args.max_tokens_single
     spec = {"model": path, "pool": args.pool, "threads": args.threads, "concurrency": args.concurrency,
             "stop_ids": list(tokenizer.eos_ids), "max_tokens_single": args.max_tokens_single,
-            "max_tokens_batch": args.max_tokens_batch,
+            "max_tokens_batch": args.max_tokens_batch, "cache_type_k": args.cache_type_k,
+            "cache_type_v": args.cache_type_v,
             "kv_len": -(-max(args.prefill_tokens + 8, longest_decode) // 64) * 64, **prompts}
     env = engine_environment(args)
     bytes_per_token = weight_bytes_per_token(model)
@@ -349,7 +356,8 @@ def run_model(path: str, args: argparse.Namespace) -> dict[str, Any]:
         "settings": {"threads": args.threads, "concurrency": args.concurrency, "prefill_tokens": args.prefill_tokens,
                      "decode_prompt_tokens": sorted({len(ids) for ids in prompts["decode_prompts"]}),
                      "max_tokens_single": args.max_tokens_single, "max_tokens_batch": args.max_tokens_batch,
-                     "kv_len": spec["kv_len"], "pool": args.pool, "rounds": args.rounds},
+                     "kv_len": spec["kv_len"], "cache_type_k": args.cache_type_k,
+                     "cache_type_v": args.cache_type_v, "pool": args.pool, "rounds": args.rounds},
         "engines": {},
     }
     if "OPENBLAS_CORETYPE" not in report["environment"]:
