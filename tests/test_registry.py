@@ -33,6 +33,43 @@ def bad_plugins(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
 
 
+ODD_KIND_PLUGIN = '''
+from lse_core.devices.hookspec import Backend, DeviceInfo, hookimpl
+
+
+class OddBackend(Backend):
+    name = "odd"
+
+    def devices(self):
+        return [DeviceInfo("odd", 0, "npu", True), DeviceInfo("odd", 1, "accelerator", True)]
+
+    def open(self, index):
+        raise AssertionError("a declined device is never opened")
+
+
+@hookimpl
+def lse_backend():
+    return OddBackend()
+'''
+
+
+def test_a_device_of_a_kind_lse_does_not_know_is_declined_naming_it(tmp_path, monkeypatch):
+    """A plugin's device of kind "npu": LSE's device objects say gpu, accelerator or cpu, so it does not come up,
+    and asking for it fails startup with the reason; the plugin's other device is listed as given."""
+    dist = tmp_path / "odd_lse_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: odd-lse-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[lse.backends]\nodd = lse_odd_kind_plugin\n")
+    (tmp_path / "lse_odd_kind_plugin.py").write_text(ODD_KIND_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry = discover()
+    odd, fine = registry.devices("odd")
+    assert "the kind 'npu', which is none of gpu, accelerator, cpu" in odd.declined
+    assert (fine.kind, fine.declined) == ("accelerator", None)
+    with pytest.raises(StartupError, match=r"device odd:0 did not come up: its backend gave it the kind 'npu'"):
+        resolve_pool(registry, "odd:0", refuse_cpu=False)
+
+
 def test_bad_plugins_are_reported_by_name_and_the_others_load(bad_plugins):
     registry = discover()
     assert set(registry.failures) == {"broken", "exploding"}

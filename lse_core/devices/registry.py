@@ -11,7 +11,7 @@ import logging
 import os
 import re
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pluggy
 
@@ -44,6 +44,7 @@ class Registry:
             except Exception as e:  # a plugin's bug, or its driver's crash in the child, must not stop the engine
                 reason = str(e) if isinstance(e, probe.ProbeFailed) else f"devices() raised: {e!r}"
                 self._infos[backend] = [DeviceInfo(backend, 0, "cpu", False, declined=reason)]
+            self._infos[backend] = [_checked_kind(info) for info in self._infos[backend]]
         return self._infos[backend]
 
     def all_devices(self) -> list[DeviceInfo]:
@@ -60,6 +61,15 @@ class Registry:
                 reasons = "; ".join(dict.fromkeys(d.declined or "" for d in infos)) or "no devices"
                 out.append(f"{name}: {reasons}")
         return out
+
+
+def _checked_kind(info: DeviceInfo) -> DeviceInfo:
+    """The device as listed, or declined when its kind is none that LSE ranks and reports (a plugin's bug:
+    the API's device objects say gpu, accelerator or cpu)."""
+    if info.kind in KIND_ORDER or info.declined is not None:
+        return info
+    return replace(info, kind="accelerator", declined=f"its backend gave it the kind {info.kind!r}, which is "
+                                                      f"none of {', '.join(KIND_ORDER)}")
 
 
 def discover(group: str = "lse.backends", children: bool = True) -> Registry:
