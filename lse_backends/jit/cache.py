@@ -7,12 +7,12 @@ function holds kernels.expf. Edit one of those files and the callers' cached cod
 old kernels, on data laid out the new way. So every function cached from this package's directory, or from
 the directory of generated sources, is stamped with its own file and every source file of this package.
 
-A cold cache means half a minute or more of compiling on two cores; ``compiling_beside`` lets a second process
-take part of it. ``CompileMonitor`` follows numba's compile
-events, so that nothing compiles in silence: each outermost compile of this package's functions is a stage,
-shown while it runs as a tqdm bar on a terminal (the functions compiled so far and the one compiling now)
-and logged as a line when it starts and ends (a server's log), and every function compiled is recorded in
-``COMPILED``. Loads from the cache raise no compile event, so a warm start shows nothing.
+A cold cache means half a minute or more of compiling on two cores; ``CompileBeside`` lets a second process
+take part of it. ``CompileMonitor`` follows numba's compile events, so that nothing compiles in silence:
+each outermost compile of this package's functions is a stage, shown while it runs as a tqdm bar on a
+terminal (the functions compiled so far and the one compiling now) and logged as a line when it starts and
+ends (a server's log), and every function compiled is recorded in ``COMPILED``. Loads from the cache raise
+no compile event, so a warm start shows nothing.
 """
 
 from __future__ import annotations
@@ -197,7 +197,8 @@ class CompileBeside:
         log.warning("lse: jit:0 compiling %s in a second process meanwhile", what)
         self.what, self.began = what, time.perf_counter()
         self.errors = tempfile.TemporaryFile()
-        path = os.pathsep.join([str(PACKAGE.parent.parent), os.environ.get("PYTHONPATH", "")])  # this checkout's
+        # this checkout's package first (an empty entry would put the working directory on the path)
+        path = os.pathsep.join(p for p in (str(PACKAGE.parent.parent), os.environ.get("PYTHONPATH")) if p)
         self.child = subprocess.Popen([sys.executable, "-c", call], stdin=subprocess.DEVNULL,
                                       stdout=subprocess.DEVNULL, stderr=self.errors,
                                       env=os.environ | {"PYTHONPATH": path})

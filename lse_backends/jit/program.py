@@ -328,8 +328,9 @@ def compile_kernels(names: Sequence[str]) -> None:
 
 @functools.cache
 def second_compile() -> cache.CompileBeside | None:
-    """SECOND_PROCESS's kernels compiling in a second process, started at the first call (JitDevice's first
-    group, while the model loads) where the disk cache lacks them; None where it has them."""
+    """SECOND_PROCESS's kernels compiling in a second process, started where the disk cache lacks them; None
+    where it has them. (Started while the model loads, it competed with the load for the two cores and the
+    first answer came later.)"""
     if all(cache.is_cached(function, kind.signature) for function, kind in (_KERNELS[n] for n in SECOND_PROCESS)):
         return None
     return cache.compile_beside(f"from {__name__} import compile_kernels; compile_kernels({SECOND_PROCESS!r})",

@@ -850,8 +850,9 @@ def _dot_rows(x, weights, out):
     differed in the last bit)."""
     n = weights.shape[0]
     whole = n // LANES * LANES
+    lanes = np.empty(LANES, np.float32)
     for t in range(x.shape[0]):
-        lanes = np.zeros(LANES, np.float32)
+        lanes[:] = 0
         for i in range(0, whole, LANES):
             for lane in range(LANES):
                 lanes[lane] += x[t, i + lane] * weights[i + lane]
