@@ -3,7 +3,7 @@
 The ceiling is a read-only stream: a numba parallel sum over a 512 MiB array on the engine's threads (the
 best of several; a decode step only reads its weights, so compare.py's copy, read plus write, is not its
 bound). Bytes per token are the weights a decode step reads as jit:0 holds them (every linear's weight once,
-a tied embedding once as the output layer; Q5_0 as Q8_0 blocks, the K types as their converted blocks), and
+a tied embedding once as the output layer; the K types and Q5_1 as their converted blocks), and
 as the file stores them. Each round measures the stream, then decodes --tokens tokens one step at a time
 after a prompt of --context tokens; medians of the rounds. Where the rest goes: benchmarks/profile_step.py.
 

@@ -66,7 +66,10 @@ def int8_activations(x: np.ndarray) -> np.ndarray:
 
 def seen_by_kernels(qtype: str, x: np.ndarray) -> np.ndarray:
     """The activations a product is exact for: int8 ones for Q4 weights (Q4_K too) in steps of up to
-    INT8_TOKENS tokens and for the others (Q8_0, Q6_K, Q5_K) in longer ones (GEMM tiles), float32 otherwise."""
+    INT8_TOKENS tokens, for the others (Q8_0, Q6_K, Q5_K) in longer ones (GEMM tiles), and for Q5_0 in both;
+    float32 otherwise."""
+    if quant.KINDS[qtype] == quant.Q5_0:
+        return int8_activations(x)
     q8_style = quant.KINDS[qtype] in (quant.Q8_0, quant.Q6_K, quant.Q5_K)
     return int8_activations(x) if q8_style == (len(x) > quant.INT8_TOKENS) else x
 
@@ -124,7 +127,8 @@ def test_linear_reads_activation_rows_through_their_stride():
     assert np.isnan(out[3:]).all()
 
 
-@pytest.mark.parametrize("qtype, tokens", [("Q4_0", 2), ("Q4_1", 2), *((q, 20) for q in ("Q8_0", "Q6_K", "Q5_K"))])
+@pytest.mark.parametrize("qtype, tokens", [("Q4_0", 2), ("Q4_1", 2), ("Q5_0", 2),
+                                           *((q, 20) for q in ("Q8_0", "Q6_K", "Q5_K", "Q5_0"))])
 def test_int8_activations_keep_zero_blocks_exact_and_non_finite_ones_nan(qtype, tokens):
     """One-token Q4 passes and the GEMM tiles quantize each block of 32 activations on its own: an all-zero
     block adds nothing, a block of one large value keeps the others' scale; a NaN or an infinity makes its
@@ -229,15 +233,22 @@ def test_prepare_in_row_chunks_gives_the_same_layout(qtype, monkeypatch):
     np.testing.assert_array_equal(quant.prepare(qtype, blocks)[1], whole)
 
 
-def test_q5_0_is_laid_out_as_q8_0_blocks():
-    """Q5_0's 5-bit values fit int8: its blocks become Q8_0 blocks with the same d (embed_rows above: the
-    same weight, bit for bit)."""
+def test_q5_0_is_read_in_its_own_22_byte_blocks():
+    """Q5_0 keeps its 22 bytes a block (it is not widened): a group's block holds its eight rows' d, their
+    fifth bits rearranged (bit 2 p + h of byte 8 e + r: row r's element 16 h + 4 p + e), then the nibbles
+    as Q4_0's. Dequantized back (embed_rows above) it is gguf's weight bit for bit."""
     blocks, dense = gguf_weight("Q5_0", 37, 96)
     kind, laid_out = quant.prepare("Q5_0", blocks)
-    assert kind == quant.Q8_0 and laid_out.shape == (37, 96 // 32 * 34)
-    row = laid_out[36].reshape(-1, 34)                         # a row kept as one-row blocks
-    d = row[:, :2].copy().view(np.float16).astype(np.float32)
-    np.testing.assert_array_equal(d * row[:, 2:].view(np.int8), dense[36].reshape(-1, 32))
+    assert kind == quant.Q5_0 and laid_out.shape == blocks.shape
+    np.testing.assert_array_equal(laid_out[32:], blocks[32:])   # the last rows % 8 stay as stored
+    group, stored = laid_out[:8].reshape(-1)[:8 * 22], blocks[:8, :22]   # the first group's first block
+    np.testing.assert_array_equal(group[:16].reshape(8, 2), stored[:, 0:2])     # d
+    np.testing.assert_array_equal(group[48:].reshape(16, 8), stored[:, 6:].T)   # byte j of every row
+    for r in range(8):
+        qh = int.from_bytes(stored[r, 2:6].tobytes(), "little")
+        for i in range(32):
+            h, p, e = i // 16, i % 16 // 4, i % 4
+            assert group[16 + 8 * e + r] >> (2 * p + h) & 1 == qh >> i & 1
 
 
 HOST_ISAS = [isa for isa in vector.ISA_FEATURES if isa != vector.ISA
@@ -254,7 +265,7 @@ def test_every_instruction_set_the_host_has_gives_the_same_floats(tmp_path, isa)
     x = RNG.standard_normal((37, 256)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
     expected = {}
-    for qtype in (*QTYPES, *K_BLOCKS):
+    for qtype in (*QTYPES, *K_BLOCKS, "Q5_0"):
         blocks, dense = gguf_weight(qtype, 40, 256)
         kind, laid_out = prepared(qtype, blocks)
         np.save(tmp_path / f"{qtype}.npy", laid_out)
@@ -271,7 +282,7 @@ def test_every_instruction_set_the_host_has_gives_the_same_floats(tmp_path, isa)
         "from lse_backends.jit import vector\n"
         f"assert vector.ISA == {isa!r}\n"
         "d = sys.argv[1]; x = np.load(d + '/x.npy')\n"
-        "for q in ('Q4_0', 'Q4_1', 'Q8_0', 'Q4_K', 'Q6_K', 'Q5_K'):\n"
+        "for q in ('Q4_0', 'Q4_1', 'Q8_0', 'Q4_K', 'Q6_K', 'Q5_K', 'Q5_0'):\n"
         "    for t in (1, 3, 16, 37):\n"
         "        out = np.full((t, 40), np.nan, np.float32)\n"
         "        w = np.load(f'{d}/{q}.npy'); w.flags.writeable = False\n"

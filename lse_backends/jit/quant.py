@@ -1,24 +1,26 @@
 """Quantized linear layers: GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K and Q5_0 weights, the blocks decoded in
 registers or, for steps of many tokens, sixteen rows at a time into a float32 panel that stays in cache (never
-a dequantized copy of the weights). Steps of more than INT8_TOKENS tokens (prefill) that meet Q8_0-style
-weights (Q8_0, Q5_0, Q6_K, Q5_K, Q5_1) quantize each block of 32 activations to int8 once per product, as
+a dequantized copy of the weights). Steps of more than INT8_TOKENS tokens (prefill) that meet weights of the
+other types (Q8_0, Q5_0, Q6_K, Q5_K, Q5_1) quantize each block of 32 activations to int8 once per product, as
 llama.cpp quantizes them to Q8_0/Q8_K for its GEMMs, and multiply in integer dot products (GEMM tiles: a
 512-token chunk of Qwen2.5-0.5B shaped layers, one thread, 1.7-1.8x faster than through float32 panels; for
 Q4 weights, 2.8x, but they keep the panels: ``_gemm_step`` says why). Steps of up to INT8_TOKENS tokens
-(decode) take int8 activations where they meet Q4 weights, the nibbles multiplying the activation bytes in
+(decode) take int8 activations where they meet Q4 (and Q5_0) weights, the nibbles multiplying the activation bytes in
 16-bit integer lanes (a one-token pass then does half the vector work per weight byte; SmolLM2's whole step
 at 8 and 16 sequences is 1.17x and 1.13x faster than through float32 panels), and float32 ones elsewhere.
 Q4_K is read as Q4_1 blocks whose d and m are float32 (``_from_q4_k``: the same values, 0.75 bytes each),
 Q6_K as Q8_0 blocks with a float32 d for each half (``_from_q6_k``, 1.25 bytes each), Q5_K as Q8_0 blocks
 with a float32 d and m (``_from_q5_k``, 1.25 bytes each): on SmolLM2-shaped layers, one thread, a decode
 token 4.7x (Q4_K), 2.6x (Q6_K) and 2.5x (Q5_K) faster than through the float32 copy they used to be decoded
-to. Q5_0 is read as Q8_0 blocks (its 5-bit values as int8, the same d), Q5_1 as Q5_K's.
+to. Q5_0 is read in place, as Q4_0 with the fifth bits ORed into the nibbles' bytes (22 bytes a block: it
+used to be read as 34-byte Q8_0 blocks), Q5_1 as Q5_K's.
 The jit device decodes other GGUF types (Q2_K, Q3_K...) exactly to float32 once at load.
 
 Layout. ``prepare`` re-lays a weight once at load into a new array of the same shape and bytes (the K types
 and Q5_1: of their conversion's): rows go in groups of GROUP = 8, and block b of a group's rows is stored as
 one group block: the eight rows' scales d (f16; float32 for the converted types), then, where the type has
-them, their eight mins m (Q6_K: the second half's d), then the quant bytes with byte j of every row together
+them, their eight mins m (Q6_K: the second half's d; Q5_0: the fifth bits, two 16-bit fields a row), then
+the quant bytes with byte j of every row together
 (byte j of row r at ``8 * j + r``). A Q4 byte j holds elements j (low nibble) and j + 16 (high nibble);
 Q8_0 byte j is element j. One 8-byte load widened to eight int32 lanes is thus one element of eight
 rows, one vcvtph2ps converts eight rows' scales, and each vector lane belongs to one row: no horizontal
@@ -27,14 +29,14 @@ layout for groups of one row) and are dequantized and dotted one at a time.
 
 Arithmetic, in LLVM vector IR emitted through numba ``@intrinsic``s (numba's own loops widen the
 nibbles to int64 and do not vectorize), per tile of row groups x tokens:
-  GEMM        (past INT8_TOKENS: Q8_0-style kinds; Q4 ones with row_invariant) x = xs * xq per block
+  GEMM        (past INT8_TOKENS: all but Q4 kinds; Q4 ones with row_invariant) x = xs * xq per block
               (``int8.quantize_compact``, once per product and thread), t = sum_i q_i * xq_i exactly in
               int32 lanes, four bytes of a row a lane (``_dot4``: vpdpbusd, or pmaddubsw and pmaddwd;
               signed weights as |q| times xq with q's sign, psignb), then acc += d * xs * t, plus m * s
-              (Q4_1, Q4_K, Q5_K) or - 8 d * s (Q4_0), s = xs * sum_i xq_i. Tiles of GEMM_GROUPS groups x
+              (Q4_1, Q4_K, Q5_K) or - 8 d * s (Q4_0; Q5_0: - 16), s = xs * sum_i xq_i. Tiles of GEMM_GROUPS groups x
               GEMM_TOKENS tokens: each weight vector, gathered once, meets every token's four activation
               bytes broadcast.
-  int8        (Q4, steps of up to INT8_TOKENS) the same x, from ``int8.quantize``'s layout,
+  int8        (Q4 and Q5_0, steps of up to INT8_TOKENS) the same x, from ``int8.quantize``'s layout,
               t = sum_i q_i * xq_i exactly in 16-bit lanes (pmaddubsw: nibbles times activation
               bytes, a row's two elements per lane), then the same acc. Tiles of one group x one token
               (up to ONE_TOKEN_PASSES tokens) or x four tokens.
@@ -110,14 +112,16 @@ from .vector import (
     vector,
 )
 
-Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K = 0, 1, 2, 3, 4, 5
-KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K, "Q5_K": Q5_K,
-         "Q5_0": Q8_0, "Q5_1": Q5_K}   # read as Q8_0's and Q5_K's blocks: _from_q5_0, _from_q5_1
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, Q5_0 = 0, 1, 2, 3, 4, 5, 6
+KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K, "Q5_K": Q5_K, "Q5_0": Q5_0,
+         "Q5_1": Q5_K}   # read as Q5_K's blocks: _from_q5_1
 # LAYOUT[kind] = (bytes per 32-value block, bytes of its header: d, or d and m, bytes of one header field: 2
 # for f16, 4 for float32); a tuple numba reads too. Q4_K is laid out as Q4_1 blocks whose d and m are float32
 # (_from_q4_k); Q6_K as Q8_0 blocks with a float32 d for each half of the block, d and d2 (_from_q6_k); Q5_K
-# as Q8_0 blocks with a float32 d and m, each value d q + m (_from_q5_k).
-LAYOUT = ((18, 2, 2), (20, 4, 2), (34, 2, 2), (24, 8, 4), (40, 8, 4), (40, 8, 4))
+# as Q8_0 blocks with a float32 d and m, each value d q + m (_from_q5_k). Q5_0 is read as GGUF stores it, d
+# and 4 bytes of fifth bits, then the nibbles; in a group block the fifth bits are rearranged to be cheap
+# to apply (_q5_0_fifth_bits).
+LAYOUT = ((18, 2, 2), (20, 4, 2), (34, 2, 2), (24, 8, 4), (40, 8, 4), (40, 8, 4), (22, 6, 2))
 GROUP = LANES  # rows per group: one vector lane each
 # Decoding outruns one core's stream of weights from memory; prefetching this far ahead in each row group's
 # stream made one thread's 210 layer GEMVs of SmolLM2 1.5x faster here (5.7 to 46 KB measured alike).
@@ -252,14 +256,44 @@ def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
 # A 32-byte load of a Q4 group block's quants holds bytes j .. j + 3 of its eight rows ([j][row]); this
 # shuffle pairs each row's bytes within each 16-byte half ([row][j, j + 1], then [row][j + 2, j + 3]), so
 # that one pmaddubsw lane (two adjacent bytes) is one row's two elements.
-ROWS_PAIRED = ir.Constant(ir.VectorType(i32, 32), [16 * h + 8 * e + r for h in (0, 1) for r in range(LANES)
-                                                   for e in (0, 1)])
+ROWS_PAIRED = [16 * h + 8 * e + r for h in (0, 1) for r in range(LANES) for e in (0, 1)]
 v16i16 = ir.VectorType(i16, 16)
+
+
+def _shuffled(builder: ir.IRBuilder, value: ir.Value, order: list[int]) -> ir.Value:
+    """<32 x i8> ``value`` with lane f taken from its lane order[f]."""
+    return builder.shuffle_vector(value, ir.Constant(v32i8, None), ir.Constant(ir.VectorType(i32, 32), order))
+
+
+def _fifth_bits(builder: ir.IRBuilder, kind: int, block: ir.Value, order: list[int]) -> ir.Value | None:
+    """Q5_0: the group block's fifth bits as ``_nibbles`` takes them, their 32 bytes shuffled by ``order`` (raw
+    byte 8 e + r holds row r's bits of its byte 4 p + e of each quant load p, see ``_q5_0_fifth_bits``);
+    None for the other kinds."""
+    if kind != Q5_0:
+        return None
+    return _shuffled(builder, load(builder, block, GROUP * LAYOUT[Q5_0][2], v32i8), order)
+
+
+def _nibbles(builder: ir.IRBuilder, kind: int, block: ir.Value, order: list[int], p: int,
+             fifth: ir.Value | None) -> tuple[ir.Value, ir.Value]:
+    """(low, high) <32 x i8> of quant load p of a Q4 (or Q5_0) group block at ``block``, lanes shuffled by
+    ``order``: the low nibbles' and the high nibbles' values, with Q5_0's fifth bits (``_fifth_bits``:
+    bit 2 p + h of a lane's byte, moved to bit 4) ORed in."""
+    raw = _shuffled(builder, load(builder, block, GROUP * LAYOUT[kind][1] + 32 * p, v32i8), order)
+    values = [builder.and_(raw, vector(15, v32i8)), builder.lshr(raw, vector(4, v32i8))]
+    if fifth is None:
+        return values[0], values[1]
+    for h in (0, 1):
+        shift = 4 - (2 * p + h)
+        moved = (builder.shl(fifth, vector(shift, v32i8)) if shift > 0
+                 else builder.lshr(fifth, vector(-shift, v32i8)) if shift < 0 else fifth)
+        values[h] = builder.or_(values[h], builder.and_(moved, vector(16, v32i8)))
+    return values[0], values[1]
 
 
 def _pair_products(builder: ir.IRBuilder, quants: ir.Value, x: ir.Value) -> ir.Value:
     """<16 x i16>: lane i = quants[2i] * x[2i] + quants[2i + 1] * x[2i + 1], quants unsigned, x signed
-    (pmaddubsw; never saturates here, as |sum| <= 2 * 15 * 127)."""
+    (pmaddubsw; never saturates here, as |sum| <= 2 * 128 * 127)."""
     if AVX2:
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16i16, [v32i8, v32i8]),
                                             "llvm.x86.avx2.pmadd.ub.sw")
@@ -277,13 +311,17 @@ def _row_sums(builder: ir.IRBuilder, pairs: ir.Value) -> ir.Value:
     return builder.add(*(builder.sext(half, v8i32) for half in halves))
 
 
+# The unsigned values of the types without a min are q + OFFSET: the offset term o d xs sum(xq) undoes it.
+OFFSET = {Q4_0: -8.0, Q5_0: -16.0}
+
+
 def _make_int8_tile(kind: int, n_tokens: int):
-    """An intrinsic ``tile(w, g, g_last, x, scratch, t, out)`` for Q4_0 and Q4_1: out[t + c, rows of group
-    g], c < n_tokens (clamped to x's last row and g_last, as the float tiles), from the int8 activations
-    ``quantize_activations`` wrote to scratch for x. Per block: dot = sum_i q_i xq_i exactly in integers
-    (``_q4_dots``), then acc += d xs dot, plus m xs sum_i xq_i (Q4_1) or -8 d xs sum_i xq_i (Q4_0):
-    x @ W.T for x = xs * xq. One group a tile: two groups' accumulators, products and activations spilled
-    the 16 vector registers, and ran 1.15-1.3x slower at 4 to 16 tokens."""
+    """An intrinsic ``tile(w, g, g_last, x, scratch, t, out)`` for Q4_0, Q4_1, Q4_K and Q5_0: out[t + c,
+    rows of group g], c < n_tokens (clamped to x's last row and g_last, as the float tiles), from the int8
+    activations ``quantize_activations`` wrote to scratch for x. Per block: dot = sum_i q_i xq_i exactly in
+    integers (``_q4_dots``), then acc += d xs dot, plus m xs sum_i xq_i (Q4_1, Q4_K) or o d xs sum_i xq_i
+    (OFFSET o: Q4_0, Q5_0): x @ W.T for x = xs * xq. One group a tile: two groups' accumulators, products and
+    activations spilled the 16 vector registers, and ran 1.15-1.3x slower at 4 to 16 tokens."""
     block_bytes, header_bytes, field = LAYOUT[kind]
     group_block, mins = GROUP * block_bytes, GROUP * field   # m follows the group's eight d
 
@@ -312,17 +350,16 @@ def _make_int8_tile(kind: int, n_tokens: int):
                 block = builder.gep(weights, [builder.mul(b, integer(group_block))])
                 _prefetch_ahead(builder, block, group_block)
                 pattern_block = builder.mul(b, integer(int8.PATTERN_BYTES * BLOCK))
-                dots = _q4_dots(builder, builder.gep(block, [integer(GROUP * header_bytes)]),
-                                [builder.gep(row, [pattern_block]) for row in patterns])
+                dots = _q4_dots(builder, kind, block, [builder.gep(row, [pattern_block]) for row in patterns])
                 d = _scales(builder, block, kind)
-                m = _scales(builder, builder.gep(block, [integer(mins)]), kind) if kind != Q4_0 else None
+                m = _scales(builder, builder.gep(block, [integer(mins)]), kind) if kind not in OFFSET else None
                 for c, acc_c in enumerate(accs):
                     dot = builder.sitofp(dots[c], v8f32)
                     x_scale, x_sum = (splat(builder, builder.load(builder.gep(r[c], [b]))) for r in (scales, sums))
                     if m is not None:  # acc += d xs dot + m xs sum(xq)
                         acc = fma(builder, builder.fmul(d, x_scale), dot, fma(builder, m, x_sum, builder.load(acc_c)))
-                    else:  # acc += d (xs dot - 8 xs sum(xq))
-                        acc = fma(builder, d, fma(builder, x_scale, dot, builder.fmul(x_sum, vector(-8.0))),
+                    else:  # acc += d (xs dot + o xs sum(xq))
+                        acc = fma(builder, d, fma(builder, x_scale, dot, builder.fmul(x_sum, vector(OFFSET[kind]))),
                                   builder.load(acc_c))
                     builder.store(acc, acc_c)
             for c, acc_c in zip(tokens, accs):
@@ -334,25 +371,31 @@ def _make_int8_tile(kind: int, n_tokens: int):
     return tile
 
 
-def _q4_dots(builder: ir.IRBuilder, quants: ir.Value, patterns: list[ir.Value]) -> list[ir.Value]:
-    """Per token, <8 x i32>: each row's sum of its block's nibbles (at ``quants``) times the token's
-    activation bytes (the block's 256 pattern bytes), in 16-bit lanes (at most 8 * 3810: exact) added per
-    row at the end. Each nibble vector loaded meets every token."""
-    dots = [None] * len(patterns)
-    for p in range(BLOCK // 2 // 4):  # four bytes of the rows per load: 2 x 4 elements each
-        raw = builder.shuffle_vector(load(builder, quants, 32 * p, v32i8), ir.Constant(v32i8, None), ROWS_PAIRED)
-        low_nibbles, high_nibbles = builder.and_(raw, vector(15, v32i8)), builder.lshr(raw, vector(4, v32i8))
+def _q4_dots(builder: ir.IRBuilder, kind: int, block: ir.Value, patterns: list[ir.Value]) -> list[ir.Value]:
+    """Per token, <8 x i32>: each row's sum of the group block's nibbles (Q5_0: 5-bit values) times the
+    token's activation bytes (the block's 256 pattern bytes), in 16-bit lanes added per row at the end: at
+    most 8 * 3810 for nibbles, exact; 5-bit values (pairs up to 2 * 31 * 127) are added per row after every
+    second load, before 16 bits could overflow. Each vector of weights loaded meets every token."""
+    loads = BLOCK // 2 // 4   # four bytes of the rows per load: 2 x 4 elements each
+    per_sum = 2 if kind == Q5_0 else loads
+    dots, pairs = [None] * len(patterns), [None] * len(patterns)
+    fifth = _fifth_bits(builder, kind, block, ROWS_PAIRED)
+    for p in range(loads):
+        low_values, high_values = _nibbles(builder, kind, block, ROWS_PAIRED, p, fifth)
         for c, block_patterns in enumerate(patterns):
             low, high = (load(builder, block_patterns, 32 * (2 * p + h), v32i8) for h in (0, 1))
-            both = builder.add(_pair_products(builder, low_nibbles, low), _pair_products(builder, high_nibbles, high))
-            dots[c] = both if dots[c] is None else builder.add(dots[c], both)
-    return [_row_sums(builder, dot) for dot in dots]
+            both = builder.add(_pair_products(builder, low_values, low), _pair_products(builder, high_values, high))
+            pairs[c] = both if pairs[c] is None else builder.add(pairs[c], both)
+            if (p + 1) % per_sum == 0:
+                rows = _row_sums(builder, pairs[c])
+                dots[c], pairs[c] = rows if dots[c] is None else builder.add(dots[c], rows), None
+    return dots
 
 
 # A 32-byte load of a group block's quants holds bytes j .. j + 3 of its eight rows ([j][row]); this shuffle
 # gathers each row's four bytes ([row][j .. j + 3]), so that a 32-bit lane is one row's, as the products'
 # sums of four are.
-ROWS_GATHERED = ir.Constant(ir.VectorType(i32, 32), [8 * e + r for r in range(LANES) for e in range(4)])
+ROWS_GATHERED = [8 * e + r for r in range(LANES) for e in range(4)]
 
 
 def _dot4(builder: ir.IRBuilder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
@@ -399,11 +442,11 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int):
     products of the block's (or, Q6_K, each half's) int8 weights or nibbles with the activation bytes
     are exact in int32 lanes (``_dot4``, four bytes of a row a lane: each weight vector, gathered once,
     meets every token's four activation bytes broadcast), then acc += d xs dot, plus the offset term
-    m xs sum(xq) (Q4_1, Q4_K, Q5_K) or -8 d xs sum(xq) (Q4_0) as in the Q4 int8 tiles. Signed weights
-    (Q8_0, Q6_K) multiply as |w| times x with w's sign."""
+    m xs sum(xq) (Q4_1, Q4_K, Q5_K) or o d xs sum(xq) (OFFSET: Q4_0, Q5_0) as in the Q4 int8 tiles. Signed
+    weights (Q8_0, Q6_K) multiply as |w| times x with w's sign."""
     block_bytes, header_bytes, field = LAYOUT[kind]
     group_block, second = GROUP * block_bytes, GROUP * field
-    nibbles, signed = kind in (Q4_0, Q4_1, Q4_K), kind in (Q8_0, Q6_K)
+    nibbles, signed = kind in (Q4_0, Q4_1, Q4_K, Q5_0), kind in (Q8_0, Q6_K)
     loads = BLOCK // 2 // 4 if nibbles else BLOCK // 4   # 32-byte loads of a group block's quants
     spans = 2 if kind == Q6_K else 1   # Q6_K: a d for each half block (loads 0-3, 4-7)
 
@@ -432,6 +475,7 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int):
                 blocks = [builder.gep(w_k, [builder.mul(b, integer(group_block))]) for w_k in weights]
                 for block in blocks:
                     _prefetch_ahead(builder, block, group_block)
+                fifths = [_fifth_bits(builder, kind, block, ROWS_GATHERED) for block in blocks]
                 x_blocks = [builder.gep(v, [builder.mul(b, integer(BLOCK))]) for v in values]
                 x_scales = [splat(builder, builder.load(builder.gep(r, [b]))) for r in scales]
                 x_sums = [splat(builder, builder.load(builder.gep(r, [b]))) for r in sums]
@@ -446,13 +490,13 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int):
                     dots = [[ir.Constant(v8i32, None)] * n_tokens for _ in weights]
                     for p in range(span * loads // spans, (span + 1) * loads // spans):
                         operands = []   # per weight group: (unsigned bytes, signed bytes' sign or None, element)
-                        for block in blocks:
-                            raw = builder.shuffle_vector(load(builder, block, GROUP * header_bytes + 32 * p, v32i8),
-                                                         ir.Constant(v32i8, None), ROWS_GATHERED)
+                        for block, fifth in zip(blocks, fifths):
                             if nibbles:
-                                operands.append([(builder.and_(raw, vector(15, v32i8)), None, 4 * p),
-                                                 (builder.lshr(raw, vector(4, v32i8)), None, BLOCK // 2 + 4 * p)])
+                                low, high = _nibbles(builder, kind, block, ROWS_GATHERED, p, fifth)
+                                operands.append([(low, None, 4 * p), (high, None, BLOCK // 2 + 4 * p)])
                             else:
+                                raw = _shuffled(builder, load(builder, block, GROUP * header_bytes + 32 * p, v32i8),
+                                                ROWS_GATHERED)
                                 operands.append([(_magnitude(builder, raw) if signed else raw,
                                                   raw if signed else None, 4 * p)])
                         for c in range(n_tokens):
@@ -470,9 +514,9 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int):
                             dot, acc = builder.sitofp(dots[k][c], v8f32), builder.load(accs[k][c])
                             if m is not None:  # acc += d xs dot + m xs sum(xq)
                                 acc = fma(builder, builder.fmul(d, x_scales[c]), dot, fma(builder, m, x_sums[c], acc))
-                            elif kind == Q4_0:  # acc += d (xs dot - 8 xs sum(xq))
+                            elif kind in OFFSET:  # acc += d (xs dot + o xs sum(xq))
                                 acc = fma(builder, d, fma(builder, x_scales[c], dot,
-                                                          builder.fmul(x_sums[c], vector(-8.0))), acc)
+                                                          builder.fmul(x_sums[c], vector(OFFSET[kind]))), acc)
                             else:  # acc += d xs dot
                                 acc = fma(builder, builder.fmul(d, x_scales[c]), dot, acc)
                             builder.store(acc, accs[k][c])
@@ -580,11 +624,12 @@ def _prefetch_ahead(builder: ir.IRBuilder, block: ir.Value, group_block: int) ->
 
 
 
-# Tile shapes, the fastest measured on Zen 3. Q4 int8 tiles: one group of one token or four (why: their doc).
-# Q8_0: one token with four partial sums (its cheap decode leaves the FMA latency exposed, and two
+# Tile shapes, the fastest measured on Zen 3. Q4 (and Q5_0) int8 tiles: one group of one token or four (why:
+# their doc). Q8_0: one token with four partial sums (its cheap decode leaves the FMA latency exposed, and two
 # groups spill registers), or four tokens with two.
-_q4_0_int8_1, _q4_1_int8_1, _q4_k_int8_1, _q4_0_int8_4, _q4_1_int8_4, _q4_k_int8_4 = (
-    _make_int8_tile(kind, tokens) for tokens in (1, 4) for kind in (Q4_0, Q4_1, Q4_K))
+(_q4_0_int8_1, _q4_1_int8_1, _q4_k_int8_1, _q5_0_int8_1,
+ _q4_0_int8_4, _q4_1_int8_4, _q4_k_int8_4, _q5_0_int8_4) = (
+    _make_int8_tile(kind, tokens) for tokens in (1, 4) for kind in (Q4_0, Q4_1, Q4_K, Q5_0))
 _q8_0_1, _q8_0_4 = _make_q8_0_tile(1, 4), _make_q8_0_tile(4, 2)
 _q6_k_1, _q6_k_4 = _make_q8_0_tile(1, 4, Q6_K), _make_q8_0_tile(4, 2, Q6_K)
 _q5_k_1, _q5_k_4 = _make_q8_0_tile(1, 4, Q5_K), _make_q8_0_tile(4, 2, Q5_K)
@@ -593,8 +638,8 @@ _q5_k_1, _q5_k_4 = _make_q8_0_tile(1, 4, Q5_K), _make_q8_0_tile(4, 2, Q5_K)
 # 2 x 4 74 / 101, 1 x 8 63 / 127, 4 x 2 75 / 95. 2 x 3 keeps 6 float and 6 int32 accumulators, two weight
 # vectors and a broadcast within AVX2's 16 registers.
 GEMM_GROUPS, GEMM_TOKENS = 2, 3
-_q4_0_gemm, _q4_1_gemm, _q8_0_gemm, _q4_k_gemm, _q6_k_gemm, _q5_k_gemm = (
-    _make_gemm_tile(kind, GEMM_GROUPS, GEMM_TOKENS) for kind in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K))
+_q4_0_gemm, _q4_1_gemm, _q8_0_gemm, _q4_k_gemm, _q6_k_gemm, _q5_k_gemm, _q5_0_gemm = (
+    _make_gemm_tile(kind, GEMM_GROUPS, GEMM_TOKENS) for kind in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, Q5_0))
 PANEL_GROUPS = 2  # row groups a panel holds (three measured no faster, and items hold pairs of groups)
 _q4_0_unpack, _q4_1_unpack, _q8_0_unpack, _q4_k_unpack, _q6_k_unpack, _q5_k_unpack = (
     _make_unpack(kind, PANEL_GROUPS) for kind in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K))
@@ -602,8 +647,8 @@ _q4_0_unpack, _q4_1_unpack, _q8_0_unpack, _q4_k_unpack, _q6_k_unpack, _q5_k_unpa
 # (A register tile of 8 tokens in one group, one accumulator each, ran at half their rate: a broadcast per
 # FMA, and no slack over the FMA latency.)
 _panel_tile = _make_panel_tile(PANEL_GROUPS, 4)
-# Tokens per step for each path: past INT8_TOKENS (prefill) Q8_0 weights take the GEMM tiles and Q4 ones
-# panels; up to it (a decode step of up to 16 sequences) Q4 weights take int8 tiles, Q8_0 weights float32
+# Tokens per step for each path: past INT8_TOKENS (prefill) Q8_0 and Q5_0 weights take the GEMM tiles and Q4
+# ones panels; up to it (a decode step of up to 16 sequences) Q4 and Q5_0 weights take int8 tiles, Q8_0 float32
 # register tiles below PANEL_TOKENS and panels from it. Up to ONE_TOKEN_PASSES, the register tiles are one-token passes
 # over the weights. Measured on SmolLM2's layers, 2 threads: float32 panels against register tiles were
 # slower at 3 and 4 tokens, even at 8, 1.15x at 16 and 1.6x at 512.
@@ -612,8 +657,13 @@ ONE_TOKEN_PASSES, PANEL_TOKENS, INT8_TOKENS = 2, 8, 16
 
 @njit(cache=True, nogil=True, inline="always")
 def _int8_tile(kind, tokens, w, g, g_last, x, scratch, t, out):
-    """The int8 tile of this Q4 type for 1 or 4 tokens."""
-    if kind == Q4_1:
+    """The int8 tile of this Q4 type (or Q5_0) for 1 or 4 tokens."""
+    if kind == Q5_0:
+        if tokens == 1:
+            _q5_0_int8_1(w, g, g_last, x, scratch, t, out)
+        else:
+            _q5_0_int8_4(w, g, g_last, x, scratch, t, out)
+    elif kind == Q4_1:
         if tokens == 1:
             _q4_1_int8_1(w, g, g_last, x, scratch, t, out)
         else:
@@ -642,13 +692,16 @@ def _gemm_tile(kind, w, g, g_last, scratch, t, t_last, out):
         _q5_k_gemm(w, g, g_last, scratch, t, t_last, out)
     elif kind == Q4_0:
         _q4_0_gemm(w, g, g_last, scratch, t, t_last, out)
+    elif kind == Q5_0:
+        _q5_0_gemm(w, g, g_last, scratch, t, t_last, out)
     else:
         _q8_0_gemm(w, g, g_last, scratch, t, t_last, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _unpack(kind, w, g, g_last, panel):
-    """The PANEL_GROUPS row groups from g of this weight type decoded to the panel."""
+    """The PANEL_GROUPS row groups from g of this weight type decoded to the panel (Q5_0 never takes
+    panels: ``_groups``)."""
     if kind == Q4_1:
         _q4_1_unpack(w, g, g_last, panel)
     elif kind == Q4_K:
@@ -664,21 +717,27 @@ def _unpack(kind, w, g, g_last, panel):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _int8_kind(kind):
-    """Q4 weights meet int8 activations in steps of up to INT8_TOKENS tokens; Q8_0, Q6_K and Q5_K keep
-    float32 there (they hold output layers: see the module doc)."""
+def _q4_kind(kind):
+    """Q4_0, Q4_1, Q4_K: weights whose prefill keeps float32 panels (``_gemm_step``)."""
     return kind == Q4_0 or kind == Q4_1 or kind == Q4_K
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _int8_kind(kind):
+    """Q4 and Q5_0 weights meet int8 activations in steps of up to INT8_TOKENS tokens; Q8_0, Q6_K and Q5_K
+    keep float32 there (they hold output layers: see the module doc)."""
+    return _q4_kind(kind) or kind == Q5_0
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _gemm_step(kind, n_tokens, row_invariant):
     """Whether x of n_tokens rows meets this weight in the GEMM tiles (int8 activations): past INT8_TOKENS,
-    Q8_0-style weights (Q8_0, Q5_0, Q6_K, Q5_K, Q5_1), and Q4 ones where every row must be computed as a
-    one-row step computes it (a GEMM tile's row has the bits of the one-token int8 tile's: the same integer
-    dot products, then the same float operations). Q4 prefill otherwise keeps float32 panels: int8
-    activations there turn the default model's answer to README's question (a first token 0.08 logits from
-    a tie) from 'The capital of France is Paris.' to "L'Étoile, la Mar"."""
-    return n_tokens > INT8_TOKENS and _int8_kind(kind) == row_invariant
+    all but Q4 weights; where every row must be computed as a one-row step computes it, the int8 kinds
+    only (a GEMM tile's row has the bits of the one-token int8 tile's: the same integer dot products, then
+    the same float operations; the others' one-token steps are float32). Q4 prefill otherwise keeps
+    float32 panels: int8 activations there turn the default model's answer to README's question (a first
+    token 0.08 logits from a tie) from 'The capital of France is Paris.' to "L'Étoile, la Mar"."""
+    return n_tokens > INT8_TOKENS and (_int8_kind(kind) if row_invariant else not _q4_kind(kind))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -879,11 +938,18 @@ def _ieee(bits, mantissa_bits, exponent_bits):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _field(flat, at, size):
-    """A header field (d or m) of ``size`` bytes at byte ``at``, little-endian: float32 or f16."""
+def _bits(flat, at, size):
+    """The ``size`` bytes at byte ``at`` as a little-endian integer."""
     bits = np.int64(0)
     for i in range(size):
         bits |= np.int64(flat[at + i]) << (8 * i)
+    return bits
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _field(flat, at, size):
+    """A header field (d or m) of ``size`` bytes at byte ``at``, little-endian: float32 or f16."""
+    bits = _bits(flat, at, size)
     return _ieee(bits, 23, 8) if size == 4 else _ieee(bits, 10, 5)
 
 
@@ -906,15 +972,26 @@ def _dequantize_row(kind, blocks, row, y):
             for i in range(BLOCK):
                 y[b * BLOCK + i] = d * np.float32(np.int8(flat[quants + i * size]))
             continue
-        m = _field(flat, at + field * (size + lane), field)  # Q4_0: a quant byte, unused; Q6_K: d2
+        m = _field(flat, at + field * (size + lane), field)  # Q4_0: a quant byte, unused; Q6_K: d2; Q5_0: qh
         if kind == Q6_K or kind == Q5_K:
             for i in range(BLOCK):
                 q = np.float32(np.int8(flat[quants + i * size]))
                 y[b * BLOCK + i] = (d if i < BLOCK // 2 else m) * q if kind == Q6_K else d * q + m
             continue
+        fifth = 0   # Q5_0's fifth bits, bit i element i's
+        if kind == Q5_0 and size == 1:
+            fifth = _bits(flat, at + field, 4)
+        elif kind == Q5_0:   # as _q5_0_fifth_bits arranged them
+            for i in range(BLOCK):
+                j = i % (BLOCK // 2)
+                fifth |= (np.int64(flat[at + GROUP * field + GROUP * (j % 4) + lane]) >> (2 * (j // 4) + i // 16)
+                          & 1) << i
         for j in range(BLOCK // 2):
             byte = np.int64(flat[quants + j * size])
-            if kind == Q4_1 or kind == Q4_K:
+            if kind == Q5_0:
+                y[b * BLOCK + j] = d * np.float32((byte & 15 | (fifth >> j & 1) << 4) - 16)
+                y[b * BLOCK + j + 16] = d * np.float32((byte >> 4 | (fifth >> (j + 16) & 1) << 4) - 16)
+            elif kind == Q4_1 or kind == Q4_K:
                 y[b * BLOCK + j] = d * np.float32(byte & 15) + m
                 y[b * BLOCK + j + 16] = d * np.float32(byte >> 4) + m
             else:
@@ -940,8 +1017,24 @@ def _interleave(data: np.ndarray, kind: int) -> np.ndarray:
     headers = blocks[..., :header_bytes].reshape(n_groups, GROUP, n_blocks, header_bytes // field, field)
     headers = headers.transpose(0, 2, 3, 1, 4)  # [group, block, d or m, row, byte]
     quants = blocks[..., header_bytes:].transpose(0, 2, 3, 1)  # [group, block, byte, row]
-    return np.concatenate([headers.reshape(n_groups, n_blocks, -1), quants.reshape(n_groups, n_blocks, -1)],
-                          axis=2).reshape(data.shape)
+    grouped = np.concatenate([headers.reshape(n_groups, n_blocks, -1), quants.reshape(n_groups, n_blocks, -1)],
+                             axis=2)
+    if kind == Q5_0:
+        grouped[..., GROUP * field:GROUP * header_bytes] = _q5_0_fifth_bits(blocks)
+    return grouped.reshape(data.shape)
+
+
+def _q5_0_fifth_bits(blocks: np.ndarray) -> np.ndarray:
+    """The fifth bits of GGUF Q5_0 blocks [groups, GROUP rows, blocks, 22] as a group block holds them,
+    [groups, blocks, 32] bytes: byte 8 e + r holds at bit 2 p + h row r's fifth bit of element 16 h + 4 p + e
+    (the low, h = 0, or high nibble of its byte 4 p + e, which quant load p holds in lane 8 e + r), so that a
+    tile moves each load's bits into place with a shift and a mask."""
+    qh = blocks[..., 2:6].copy().view("<u4")[..., 0]                              # [group, row, block]
+    bits = ((qh[..., None] >> np.arange(BLOCK, dtype=np.uint32)) & 1).astype(np.uint8)
+    bits = bits.reshape(*qh.shape, 2, 4, 4)                                     # [.., h, p, e]
+    at = (np.uint8(1) << (2 * np.arange(4, dtype=np.uint8) + np.arange(2, dtype=np.uint8)[:, None]))  # [h, p]
+    packed = (bits * at[..., None]).sum(axis=(3, 4), dtype=np.uint8)           # [group, row, block, e]
+    return packed.transpose(0, 2, 3, 1).reshape(qh.shape[0], qh.shape[2], 4 * GROUP)
 
 
 def _super_blocks(data: np.ndarray, qtype: str, size: int) -> np.ndarray:
@@ -1010,22 +1103,12 @@ def _from_q6_k(data: np.ndarray) -> np.ndarray:
 
 
 def _five_bits(high: np.ndarray, low: np.ndarray) -> np.ndarray:
-    """Q5_0's and Q5_1's 32 values a block (0..31), from their 4 bytes of fifth bits (bit i: element i's)
+    """Q5_1's 32 values a block (0..31), from their 4 bytes of fifth bits (bit i: element i's)
     and 16 bytes of nibbles (byte j: elements j and j + 16)."""
     n = high.shape[0]
     fifth = (high.copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
     nibbles = (low.reshape(n, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 15
     return nibbles.reshape(n, 32) | (fifth.astype(np.uint8) << np.uint8(4))
-
-
-def _from_q5_0(data: np.ndarray) -> np.ndarray:
-    """Q5_0 blocks [rows, n / 32 * 22] as Q8_0 blocks: the same f16 d, the values q - 16 (5 bits: -16..15) as
-    int8. A Q5_0 value is d (q - 16), so this is the same weight, at 34 bytes a block instead of 22."""
-    blocks = _super_blocks(data, "Q5_0", 22)
-    out = np.empty((blocks.shape[0], 34), np.uint8)
-    out[:, :2] = blocks[:, :2]
-    out[:, 2:] = (_five_bits(blocks[:, 2:6], blocks[:, 6:]).astype(np.int8) - np.int8(16)).view(np.uint8)
-    return out.reshape(data.shape[0], -1)
 
 
 def _from_q5_1(data: np.ndarray) -> np.ndarray:
@@ -1036,7 +1119,7 @@ def _from_q5_1(data: np.ndarray) -> np.ndarray:
     return _wide_blocks(data.shape[0], d, m, _five_bits(blocks[:, 4:8], blocks[:, 8:]))
 
 
-_CONVERSIONS = {"Q4_K": _from_q4_k, "Q6_K": _from_q6_k, "Q5_K": _from_q5_k, "Q5_0": _from_q5_0, "Q5_1": _from_q5_1}
+_CONVERSIONS = {"Q4_K": _from_q4_k, "Q6_K": _from_q6_k, "Q5_K": _from_q5_k, "Q5_1": _from_q5_1}
 PREPARE_ROWS = 4096   # rows converted and laid out at a time: a large embedding's temporaries stay small
 
 
