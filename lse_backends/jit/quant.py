@@ -313,6 +313,8 @@ def _row_sums(builder: ir.IRBuilder, pairs: ir.Value) -> ir.Value:
 
 # The unsigned values of the types without a min are q + OFFSET: the offset term o d xs sum(xq) undoes it.
 OFFSET = {Q4_0: -8.0, Q5_0: -16.0}
+# The largest |value| a tile multiplies, of each kind's bytes as laid out (Q6_K's q - 32, Q8_0's any int8)
+LARGEST = {Q4_0: 15, Q4_1: 15, Q4_K: 15, Q5_0: 31, Q5_K: 31, Q6_K: 32, Q8_0: 128}
 
 
 def _make_int8_tile(kind: int, n_tokens: int):
@@ -406,7 +408,12 @@ def _dot4(builder: ir.IRBuilder, acc: ir.Value, unsigned: ir.Value, signed: ir.V
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i32, [v8i32] * 3),
                                             "llvm.x86.avx512.vpdpbusd.256")
         return builder.call(fn, [acc, builder.bitcast(unsigned, v8i32), builder.bitcast(signed, v8i32)])
-    pairs = _pair_products(builder, unsigned, signed)
+    return _widen_pairs(builder, acc, _pair_products(builder, unsigned, signed))
+
+
+def _widen_pairs(builder: ir.IRBuilder, acc: ir.Value, pairs: ir.Value) -> ir.Value:
+    """<8 x i32>: acc + the sums of adjacent 16-bit lanes of ``pairs`` (<16 x i16>): pmaddwd by ones on AVX2,
+    widened integer ops elsewhere."""
     if AVX2:
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i32, [v16i16, v16i16]),
                                             "llvm.x86.avx2.pmadd.wd")
@@ -414,6 +421,14 @@ def _dot4(builder: ir.IRBuilder, acc: ir.Value, unsigned: ir.Value, signed: ir.V
     wide = builder.sext(pairs, ir.VectorType(i32, 16))
     even, odd = (builder.shuffle_vector(wide, wide, ir.Constant(v8i32, list(range(e, 16, 2)))) for e in (0, 1))
     return builder.add(acc, builder.add(even, odd))
+
+
+def _widen_held(builder: ir.IRBuilder, dots: list[list[ir.Value]], pairs: list[list[ir.Value | None]]) -> None:
+    """dots[k][c] += the 16-bit pair sums pairs[k][c] holds (``_widen_pairs``), which are then None."""
+    for row_dots, row_pairs in zip(dots, pairs):
+        for c, held in enumerate(row_pairs):
+            if held is not None:
+                row_dots[c], row_pairs[c] = _widen_pairs(builder, row_dots[c], held), None
 
 
 def _sign_of(builder: ir.IRBuilder, x: ir.Value, w: ir.Value) -> ir.Value:
@@ -448,6 +463,10 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int):
     group_block, second = GROUP * block_bytes, GROUP * field
     nibbles, signed = kind in (Q4_0, Q4_1, Q4_K, Q5_0), kind in (Q8_0, Q6_K)
     loads = BLOCK // 2 // 4 if nibbles else BLOCK // 4   # 32-byte loads of a group block's quants
+    # Without VNNI, each (group, token)'s pmaddubsw results add up in 16-bit lanes, pair_sums of them
+    # exactly (|pair| <= 2 * 127 * LARGEST[kind]), before one pmaddwd widens them: a multiply per four
+    # bytes instead of two.
+    pair_sums = 32767 // (2 * 127 * LARGEST[kind])
     spans = 2 if kind == Q6_K else 1   # Q6_K: a d for each half block (loads 0-3, 4-7)
 
     @intrinsic
@@ -488,6 +507,8 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int):
 
                 for span in range(spans):
                     dots = [[ir.Constant(v8i32, None)] * n_tokens for _ in weights]
+                    pairs = [[None] * n_tokens for _ in weights]   # pmaddubsw's sums, not yet widened
+                    held = 0
                     for p in range(span * loads // spans, (span + 1) * loads // spans):
                         operands = []   # per weight group: (unsigned bytes, signed bytes' sign or None, element)
                         for block, fifth in zip(blocks, fifths):
@@ -499,13 +520,23 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int):
                                                 ROWS_GATHERED)
                                 operands.append([(_magnitude(builder, raw) if signed else raw,
                                                   raw if signed else None, 4 * p)])
-                        for c in range(n_tokens):
-                            for part in range(len(operands[0])):
+                        for part in range(len(operands[0])):
+                            for c in range(n_tokens):
                                 x = x_bytes(c, operands[0][part][2])
                                 for k, group_operands in enumerate(operands):
                                     unsigned, sign, _ = group_operands[part]
-                                    dots[k][c] = _dot4(builder, dots[k][c], unsigned,
-                                                       x if sign is None else _sign_of(builder, x, sign))
+                                    signed_x = x if sign is None else _sign_of(builder, x, sign)
+                                    if VNNI:
+                                        dots[k][c] = _dot4(builder, dots[k][c], unsigned, signed_x)
+                                    else:
+                                        products = _pair_products(builder, unsigned, signed_x)
+                                        pairs[k][c] = products if pairs[k][c] is None else builder.add(pairs[k][c],
+                                                                                                       products)
+                            held += 1
+                            if held == pair_sums:
+                                _widen_held(builder, dots, pairs)
+                                held = 0
+                    _widen_held(builder, dots, pairs)
                     for k, block in enumerate(blocks):
                         d = _scales(builder, builder.gep(block, [integer(second * span)]), kind)
                         m = (_scales(builder, builder.gep(block, [integer(second)]), kind)
