@@ -92,3 +92,47 @@ def test_a_cold_compile_shares_the_kernels_with_a_second_process_and_does_its_sh
     compiled, lines = compile_the_kernels(tmp_path, BROKEN_SECOND_PROCESS="1")
     assert second <= set(compiled) and "program._work" not in compiled   # the rest loads from the cache
     assert any("the second compile process failed (exit 1)" in line for line in lines)
+
+
+RUN_THEN_REPORT_LLVM = """
+import json
+from pathlib import Path
+from lse_core.api import lse_close, lse_open_or_raise, lse_request_iter
+from lse_core.config import LSEConfig
+
+def llvm_resident_kib():
+    kib, in_llvm = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            in_llvm = len(fields) > 5 and "libllvmlite" in fields[5]
+        elif fields[0] == "Rss:" and in_llvm:
+            kib += int(fields[1])
+    return kib
+
+def answer(lse):
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    events = list(lse_request_iter(lse, body, "completion"))
+    assert events[-1].kind == "end", events[-1].data
+    return events[-1].data["choices"][0]["text"]
+
+lse = lse_open_or_raise(LSEConfig(pool="jit:0"))
+first = answer(lse)
+after_first_run = llvm_resident_kib()
+from numba import njit   # a compile after the release: LLVM's pages come back as it needs them
+assert njit(lambda a: a * 3 + 1)(2) == 7
+print(json.dumps({"first": first, "again": answer(lse), "kib": after_first_run}))
+lse_close(lse)
+"""
+
+
+def test_llvms_code_leaves_the_resident_set_once_the_program_has_run():
+    """LLVM (llvmlite's library, tens of MiB resident after compiling or loading the kernels) is not needed
+    to run them: after a program's first run its pages are handed back (cache.release_compiler_pages), the
+    next request gives the same answer, and a later compile still works."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    result = subprocess.run([sys.executable, "-c", RUN_THEN_REPORT_LLVM], env=env, capture_output=True, text=True,
+                            check=True, timeout=900)
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["first"] == report["again"] and report["first"].strip()
+    assert report["kib"] < 16 * 1024, report

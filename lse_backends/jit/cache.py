@@ -12,11 +12,13 @@ take part of it. ``CompileMonitor`` follows numba's compile events, so that noth
 each outermost compile of this package's functions is a stage, shown while it runs as a tqdm bar on a
 terminal (the functions compiled so far and the one compiling now) and logged as a line when it starts and
 ends (a server's log), and every function compiled is recorded in ``COMPILED``. Loads from the cache raise
-no compile event, so a warm start shows nothing.
+no compile event, so a warm start shows nothing. Once a stage has compiled, and once a program has first run
+(its kernels compiled or loaded), ``release_compiler_pages`` hands LLVM's code back to the page cache.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import logging
@@ -166,6 +168,7 @@ class CompileMonitor(event.Listener):
         self.bar = None
         log.warning("lse: jit:0 compiled %s: %d functions in %.1f s", self.compiling, self.functions,
                     time.perf_counter() - self.began)
+        release_compiler_pages()
 
 
 _MONITOR = CompileMonitor()
@@ -219,3 +222,29 @@ def compile_beside(call: str, what: str) -> CompileBeside | None:
     """A CompileBeside, where this process may run on more than one core."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return CompileBeside(call, what) if cores > 1 else None
+
+
+MADV_PAGEOUT = 21   # Linux 5.4+: reclaim these pages now
+
+
+def release_compiler_pages() -> int:
+    """Hand LLVM's code back to the page cache; returns the bytes of mappings advised. llvmlite's shared
+    library (about 70 MiB resident once the kernels are compiled or loaded from the cache, most of a small
+    model's overhead over llama.cpp) is read to compile and to load compiled code, never to run it. Its
+    read-only file-backed pages are clean copies of the file, so MADV_PAGEOUT drops them from this process
+    with nothing lost: a later compile faults them back in. Elsewhere (not Linux, an older kernel) it
+    does nothing."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    advised = 0
+    for line in maps:
+        fields = line.split()
+        if len(fields) >= 6 and "libllvmlite" in fields[5] and "w" not in fields[1]:
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            if madvise(start, end - start, MADV_PAGEOUT) == 0:
+                advised += end - start
+    return advised

@@ -453,7 +453,11 @@ class Program:
     def __call__(self, inputs: Sequence[np.ndarray], step: Step) -> list[np.ndarray]:
         if not self.acts:  # the first run: what every program runs compiles now (or loads from the cache)
             with cache.stage("the program's kernels"):
-                return self._run(inputs, step)
+                compiled_kernels()
+                cache.release_compiler_pages()   # before the step's buffers grow the resident set (its peak)
+                outputs = self._run(inputs, step)
+            cache.release_compiler_pages()   # compiled and loaded: LLVM's code is not needed to run it
+            return outputs
         return self._run(inputs, step)
 
     def _run(self, inputs: Sequence[np.ndarray], step: Step) -> list[np.ndarray]:
