@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import tokenizers
 
+from lse_core.devices.host_memory import release_freed_heap
 from lse_core.errors import StartupError
 from lse_core.model.model import Model
 from lse_core.model.tokenizer import Tokenizer
@@ -158,6 +159,7 @@ def _load_tokenizer(root: Path, config: dict[str, Any], generation_config: dict[
         backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
     except Exception as e:  # tokenizers raises a bare Exception for malformed files
         raise StartupError(f"{tokenizer_file}: not a valid tokenizers file: {e}") from None
+    release_freed_heap()   # what parsing tokenizer.json freed (hundreds of MiB for a large vocabulary)
 
     tokenizer_config_file = root / "tokenizer_config.json"
     tokenizer_config = _read_json(tokenizer_config_file, missing={})

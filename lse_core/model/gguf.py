@@ -24,6 +24,7 @@ import numpy as np
 import tokenizers
 from tqdm import tqdm
 
+from lse_core.devices.host_memory import release_freed_heap
 from lse_core.errors import StartupError
 
 from .gguf_file import GGUFTensor, read_gguf_header
@@ -82,6 +83,7 @@ def load_gguf(path: str) -> Model:
     saved = header["tokenizer"]
     tokenizer = Tokenizer(tokenizers.Tokenizer.from_str(saved["json"]), eos_ids=tuple(saved["eos_ids"]),
                           bos_token=saved["bos_token"], eos_token=saved["eos_token"], special=saved["special"])
+    release_freed_heap()   # what parsing the tokenizer's JSON freed (hundreds of MiB for a large vocabulary)
     return Model(source=path, config=config, weights=_read_weights(mapping, path, config, header["tensors"]),
                  mapping=mapping, tokenizer=tokenizer, generation_config=header["generation_config"],
                  chat_template=header["chat_template"],
