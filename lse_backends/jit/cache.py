@@ -227,21 +227,16 @@ def compile_beside(call: str, what: str) -> CompileBeside | None:
 MADV_DONTNEED = 4
 
 
-def release_compiler_pages() -> int:
-    """Take LLVM's code out of the resident set; returns the bytes of mappings advised. llvmlite's shared
-    library (about 70 MiB resident once the kernels are compiled or loaded from the cache, most of a small
-    model's overhead over llama.cpp) runs to compile and to load compiled code, never to run it. Its
-    read-only mappings that hold no page of their own (smaps' Anonymous: 0; a relocated one, RELRO, does)
-    are the file's pages, so MADV_DONTNEED unmaps them with nothing lost: they stay in the page cache, and a
-    later compile maps them back (minor faults, ~20 ms here; MADV_PAGEOUT, which evicts them, made the next
-    compile read them from disk, 0.25 s). Elsewhere (not Linux) it does nothing."""
+@functools.cache
+def _llvm_file_mappings() -> tuple[tuple[int, int], ...]:
+    """llvmlite's read-only mappings that hold no page of their own (smaps' Anonymous: 0; a relocated one,
+    RELRO, does), as (start, end): the library's, loaded at import, so read once (smaps takes 0.3 s in a
+    process of a thousand mappings)."""
     try:
         smaps = Path("/proc/self/smaps").read_text().splitlines()
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return 0
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    advised, span = 0, None   # span: the llvmlite read-only mapping whose fields are being read
+    except OSError:
+        return ()
+    found, span = [], None   # span: the llvmlite read-only mapping whose fields are being read
     for line in smaps:
         fields = line.split()
         if "-" in fields[0] and not fields[0].endswith(":"):
@@ -249,6 +244,22 @@ def release_compiler_pages() -> int:
             if len(fields) >= 6 and "libllvmlite" in fields[5] and "w" not in fields[1]:
                 span = tuple(int(a, 16) for a in fields[0].split("-"))
         elif span is not None and fields[0] == "Anonymous:" and fields[1] == "0":
-            if madvise(span[0], span[1] - span[0], MADV_DONTNEED) == 0:
-                advised += span[1] - span[0]
-    return advised
+            found.append(span)
+    return tuple(found)
+
+
+def release_compiler_pages() -> int:
+    """Take LLVM's code out of the resident set; returns the bytes of mappings advised. llvmlite's shared
+    library (about 70 MiB resident once the kernels are compiled or loaded from the cache, most of a small
+    model's overhead over llama.cpp) runs to compile and to load compiled code, never to run it. Its
+    mappings in ``_llvm_file_mappings`` are the file's pages, so MADV_DONTNEED unmaps them with nothing lost:
+    they stay in the page cache, and a later compile maps them back (minor faults, ~15 ms here; MADV_PAGEOUT,
+    which evicts them, made the next compile read them from disk, 0.25 s). Elsewhere (not Linux) it does
+    nothing."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return sum(end - start for start, end in _llvm_file_mappings()
+               if madvise(start, end - start, MADV_DONTNEED) == 0)
