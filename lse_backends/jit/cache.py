@@ -36,6 +36,8 @@ from numba.core import caching, event
 from numba.core.caching import _CacheLocator
 from tqdm import tqdm
 
+from lse_core.devices.host_memory import libc_function
+
 _CacheImpl = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # renamed in numba 0.6x
 
 PACKAGE = Path(__file__).resolve().parent
@@ -256,10 +258,8 @@ def release_compiler_pages() -> int:
     they stay in the page cache, and a later compile maps them back (minor faults, ~15 ms here; MADV_PAGEOUT,
     which evicts them, made the next compile read them from disk, 0.25 s). Elsewhere (not Linux) it does
     nothing."""
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
+    madvise = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int)
+    if madvise is None:
         return 0
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return sum(end - start for start, end in _llvm_file_mappings()
                if madvise(start, end - start, MADV_DONTNEED) == 0)

@@ -27,20 +27,21 @@ def sparse_zeros(shape: tuple[int, ...], dtype: np.dtype | type = np.float32) ->
 
 
 @functools.cache
-def _malloc_trim() -> ctypes._CFuncPtr | None:
-    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
+def libc_function(name: str, argtypes: tuple, restype: type) -> ctypes._CFuncPtr | None:
+    """The C library's function ``name`` with its signature set, or None where it has none (malloc_trim
+    outside glibc, madvise outside POSIX)."""
     try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or None).malloc_trim
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+    function.argtypes, function.restype = argtypes, restype
+    return function
 
 
 def release_freed_heap() -> None:
     """Hand the C heap's free memory back to the OS (glibc's malloc_trim). glibc keeps what a large burst of
     small allocations freed: building a tokenizer of a 262k vocabulary from its JSON (tokenizers) leaves
     ~300 MiB so, resident for the life of the process. Elsewhere this does nothing."""
-    trim = _malloc_trim()
+    trim = libc_function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
     if trim is not None:
         trim(0)
