@@ -460,10 +460,11 @@ def test_gemma3_q4_k_m_reads_k_types_in_place_and_answers_like_the_interpreter(j
 
 
 def test_default_model_answers_like_the_interpreter(jit):
-    """SmolLM2-135M Q4_1 with its Q8_0 tied embedding, the blocks read in place: the prefill's float32
-    activations give the interpreter's (dequantized fp32) logits within 1e-4 of scale, so even this
-    prompt's near-tied first token (a 0.08 margin that int8 activations flip) comes out the same; the
-    decode steps' int8 activations (Q4) within 5e-2 (2.3e-2 measured), the same ids."""
+    """SmolLM2-135M Q4_1 with its Q8_0 tied embedding, the blocks read in place: the prefill's two-plane
+    activations (15 bits a value) give the interpreter's (dequantized fp32) logits within 5e-4 of scale
+    (2.0e-4 measured), so even this prompt's near-tied first token (a 0.08 margin that one-plane int8
+    activations flip) comes out the same; the decode steps' int8 activations (Q4) within 5e-2 (2.3e-2
+    measured), the same ids."""
     from lse_core.model.gguf import load_gguf
 
     model = load_gguf(str(default_model_path()))
@@ -477,7 +478,7 @@ def test_default_model_answers_like_the_interpreter(jit):
     reference = greedy(cpu_plan(model, ctx), prompt, 8)
     assert model.tokenizer.decode(mine[0]).startswith("The capital of France is Paris")
     assert mine[0] == reference[0]
-    assert_close(mine[1][:1], reference[1][:1], 1e-4, "SmolLM2 Q4_1 prefill")
+    assert_close(mine[1][:1], reference[1][:1], 5e-4, "SmolLM2 Q4_1 prefill")
     assert_close(mine[1][1:], reference[1][1:], 5e-2, "SmolLM2 Q4_1 decode")
     # the whole forward pass is one linked program; dead values hand their buffers on, so a 30-layer
     # prefill touches a few buffers per width, not one per value
@@ -541,9 +542,9 @@ def test_each_quant_type_decodes_the_interpreters_top_token(jit, qtype):
     weights; SmolLM2's widths are not whole K super-blocks, Gemma's test covers those): under teacher
     forcing over its prompts (prefill through the GEMM tiles, decode through the one-token ones), the
     jit device's top token is the interpreter's on the same weights at 97% of the positions at least; 95% for
-    the Q4 types, whose decode steps take int8 activations (as llama.cpp's Q8_1) that flip near-ties, as the
-    default model's test says (over all four prompts: Q4_0 248/256, 96.9%, below the speed issue's 97%; Q4_1
-    251/256)."""
+    the Q4 types and Q5_0, whose decode steps take int8 activations (as llama.cpp's Q8_1) that flip near-ties,
+    as the default model's test says (over all four prompts: Q4_0 248/256, 96.9%, below the speed issue's 97%;
+    Q4_1 251/256; Q5_0 124/128 over these two, its output layer Q5_0 too)."""
     import dataclasses
 
     from lse_core.model.gguf import load_gguf
@@ -557,7 +558,7 @@ def test_each_quant_type_decodes_the_interpreters_top_token(jit, qtype):
     model = dataclasses.replace(model, weights={name: requantized.get(id(w), w) for name, w in model.weights.items()})
     agree, total = top1_agreement(model, jit, QUESTIONS[:2], 64)
     print(f"{qtype}: top-1 agreement {agree}/{total}")
-    assert agree >= (0.95 if qtype.startswith("Q4") else 0.97) * total
+    assert agree >= (0.95 if qtype in ("Q4_0", "Q4_1", "Q5_0") else 0.97) * total
 
 
 def test_cached_code_is_recompiled_when_any_source_of_the_package_changes(tmp_path, monkeypatch):

@@ -64,14 +64,27 @@ def int8_activations(x: np.ndarray) -> np.ndarray:
     return (np.round(blocks * inverse) * (top / np.float32(127))).reshape(x.shape)
 
 
+def two_plane_activations(x: np.ndarray) -> np.ndarray:
+    """x as two int8 planes carry it (int8's module doc): per block of 32, t = x * 127 / max|x|, hi =
+    round(t), lo = round(128 (t - hi)), times max|x| / (127 * 128) (numpy's own, not the kernels' code)."""
+    blocks = x.reshape(len(x), -1, 32)
+    top = np.abs(blocks).max(axis=2, keepdims=True)
+    t = blocks * np.divide(np.float32(127), top, out=np.zeros_like(top), where=top > 0)
+    hi = np.round(t)
+    combined = np.float32(128) * hi + np.round((t - hi) * np.float32(128))
+    return (combined * (top / np.float32(127 * 128))).reshape(x.shape)
+
+
 def seen_by_kernels(qtype: str, x: np.ndarray) -> np.ndarray:
     """The activations a product is exact for: int8 ones for Q4 weights (Q4_K too) in steps of up to
-    INT8_TOKENS tokens, for the others (Q8_0, Q6_K, Q5_K) in longer ones (GEMM tiles), and for Q5_0 in both;
-    float32 otherwise."""
-    if quant.KINDS[qtype] == quant.Q5_0:
+    INT8_TOKENS tokens and two int8 planes in longer ones (GEMM tiles), int8 ones for the others (Q8_0,
+    Q6_K, Q5_K) in longer steps, and for Q5_0 in both; float32 otherwise."""
+    kind, long_step = quant.KINDS[qtype], len(x) > quant.INT8_TOKENS
+    if kind == quant.Q5_0:
         return int8_activations(x)
-    q8_style = quant.KINDS[qtype] in (quant.Q8_0, quant.Q6_K, quant.Q5_K)
-    return int8_activations(x) if q8_style == (len(x) > quant.INT8_TOKENS) else x
+    if kind in (quant.Q8_0, quant.Q6_K, quant.Q5_K):
+        return int8_activations(x) if long_step else x
+    return two_plane_activations(x) if long_step else int8_activations(x)
 
 
 def assert_close_to_reference(out: np.ndarray, x: np.ndarray, dense: np.ndarray) -> None:
@@ -96,8 +109,8 @@ def test_the_shapes_reach_one_and_several_work_items():
 
 def test_the_token_counts_reach_every_path():
     """Each path of quant._groups gets token counts: one-token passes; 4-token tiles (int8 for Q4, float32
-    for Q8_0) with and without a clamped remainder; panels (Q8_0 from PANEL_TOKENS, Q4 past INT8_TOKENS);
-    Q8_0's GEMM tiles past INT8_TOKENS, with a clamped remainder."""
+    for Q8_0) with and without a clamped remainder; Q8_0's panels from PANEL_TOKENS; the GEMM tiles (two
+    planes for Q4) past INT8_TOKENS, with a clamped remainder."""
     assert min(TOKENS) <= quant.ONE_TOKEN_PASSES
     assert any(quant.ONE_TOKEN_PASSES < t < quant.PANEL_TOKENS and t % 4 for t in TOKENS)
     assert any(quant.PANEL_TOKENS <= t <= quant.INT8_TOKENS and t % 4 == 0 for t in TOKENS)
@@ -128,11 +141,11 @@ def test_linear_reads_activation_rows_through_their_stride():
 
 
 @pytest.mark.parametrize("qtype, tokens", [("Q4_0", 2), ("Q4_1", 2), ("Q5_0", 2),
-                                           *((q, 20) for q in ("Q8_0", "Q6_K", "Q5_K", "Q5_0"))])
+                                           *((q, 20) for q in ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_0", "Q4_K"))])
 def test_int8_activations_keep_zero_blocks_exact_and_non_finite_ones_nan(qtype, tokens):
-    """One-token Q4 passes and the GEMM tiles quantize each block of 32 activations on its own: an all-zero
-    block adds nothing, a block of one large value keeps the others' scale; a NaN or an infinity makes its
-    token's products NaN (not a wrong number), and the other tokens' stay right."""
+    """One-token Q4 passes and the GEMM tiles (of one plane or two) quantize each block of 32 activations on
+    its own: an all-zero block adds nothing, a block of one large value keeps the others' scale; a NaN or
+    an infinity makes its token's products NaN (not a wrong number), and the other tokens' stay right."""
     blocks, dense = gguf_weight(qtype, 24, 256 if qtype in K_BLOCKS else 128)
     kind, laid_out = prepared(qtype, blocks)
     x = RNG.standard_normal((tokens, dense.shape[1])).astype(np.float32)
@@ -140,12 +153,12 @@ def test_int8_activations_keep_zero_blocks_exact_and_non_finite_ones_nan(qtype, 
     x[:, 64] = 1e4
     out = np.full((tokens, 24), np.nan, np.float32)
     quant.linear(kind, laid_out, x, out)
-    assert_close_to_reference(out, int8_activations(x), dense)
+    assert_close_to_reference(out, seen_by_kernels(qtype, x), dense)
     for bad in (np.nan, np.inf, -np.inf):
         x[0, 100] = bad
         quant.linear(kind, laid_out, x, out)
         assert np.isnan(out[0]).all()
-        assert_close_to_reference(out[1:], int8_activations(x[1:]), dense)
+        assert_close_to_reference(out[1:], seen_by_kernels(qtype, x[1:]), dense)
 
 
 def test_gemm_tiles_multiply_any_int8_weight_byte():

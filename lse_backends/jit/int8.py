@@ -8,7 +8,12 @@ rows of its weight group at once.
 
 Steps of more tokens (prefill) take the compact layout instead (``quantize_compact``, read by quant.py's
 GEMM tiles): the same two float32 fields per block, then the 32 int8 values of each block in order, a
-quarter of the float32 row's bytes; a tile broadcasts four of them at a time against its weight rows."""
+quarter of the float32 row's bytes; a tile broadcasts four of them at a time against its weight rows.
+With two planes the compact layout carries 15 bits a value instead of 8: xq = PLANE_SCALE * hi + lo, hi
+the int8 value above and lo = rint(PLANE_SCALE * (x / xs - hi)) (|lo| <= 64) in a second plane of bytes
+after the first, and the scale field xs / PLANE_SCALE. A tile multiplies each plane in int8 and adds
+PLANE_SCALE times the first's products to the second's, exactly: the rounding of int8 activations (which
+flips near-tied next tokens of small models) is gone at twice the integer work."""
 
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from .vector import LANES, f32, i8, i32, integer, load_floats, splat, v8f32, v8i
 BLOCK = 32  # activations per scale: GGUF's block, so that a weight block meets one activation block
 ROWS = LANES  # copies of each pair: one per row of a weight group (quant.GROUP), two bytes apart
 PATTERN_BYTES = ROWS  # bytes of scratch per activation: its byte in each of its pair's ROWS copies
+PLANE_SCALE = 128  # a second plane's unit, in the first's: a power of two, so the tiles combine by a shift
 
 
 @njit(cache=True, nogil=True)
@@ -59,16 +65,18 @@ def _horizontal(builder: ir.IRBuilder, value: ir.Value, combine) -> ir.Value:
     return builder.extract_element(value, ir.Constant(i32, 0))
 
 
-def _make_quantize_block(spread: list[list[int]]):
+def _make_quantize_block(spread: list[list[int]], planes: int = 1):
     """An intrinsic ``quantize_block(x, values, b)``: block b of the 1-D float32 row x as int8 (see
     ``quantize``), its 32 values stored as ``spread`` says (32-byte store k at byte 32 k of the block's
     32 * len(spread) bytes takes the block's values spread[k]); returns (xs, xs * sum(xq)), NaN for a block
     with a NaN or an infinity. Its largest |x| is an integer max of the bits (the order of non-negative
-    floats, infinities and NaNs above all), so no NaN is lost on the way."""
-    return intrinsic(functools.partial(_quantize_block, spread))
+    floats, infinities and NaNs above all), so no NaN is lost on the way. With two planes (in order only)
+    the second plane's bytes go len(values) / 2 bytes after the first's, and the scale returned is the
+    combined value's, xs / PLANE_SCALE (module doc)."""
+    return intrinsic(functools.partial(_quantize_block, spread, planes))
 
 
-def _quantize_block(spread, typingctx, x, patterns, b):
+def _quantize_block(spread, planes, typingctx, x, patterns, b):
     if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in (x, patterns)):
         raise TypingError("blocks are quantized from and to C-contiguous 1-D arrays")
     sig = types.UniTuple(types.float32, 2)(x, patterns, b)
@@ -93,38 +101,50 @@ def _quantize_block(spread, typingctx, x, patterns, b):
         nonzero = builder.and_(finite, builder.icmp_signed(">", largest, ir.Constant(i32, 0)))
         inverse = builder.select(nonzero, builder.fdiv(ir.Constant(f32, 127.0), top), ir.Constant(f32, 0.0))
         rint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f32, [v8f32]), "llvm.rint.v8f32")
-        quants = [builder.fptosi(builder.call(rint, [builder.fmul(builder.select(finite, v, ir.Constant(v8f32, None)),
-                                                                  splat(builder, inverse))]), v8i32)
+        scaled = [builder.fmul(builder.select(finite, v, ir.Constant(v8f32, None)), splat(builder, inverse))
                   for v in values]
-        total = _horizontal(builder, builder.add(builder.add(quants[0], quants[1]), builder.add(quants[2], quants[3])),
-                            builder.add)
-        narrow = [builder.trunc(q, v8i8) for q in quants]
-        halves = [builder.shuffle_vector(narrow[i], narrow[i + 1], ir.Constant(ir.VectorType(i32, 16), list(range(16))))
-                  for i in (0, 2)]
-        packed = builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(i32, 32), list(range(32))))
-        at = builder.gep(builder.bitcast(patterns_a.data, i8.as_pointer()),
-                         [builder.mul(block, integer(32 * len(spread)))])
-        for k, lanes in enumerate(spread):
-            spread_k = builder.shuffle_vector(packed, packed, ir.Constant(ir.VectorType(i32, 32), lanes))
-            builder.store(spread_k, builder.bitcast(builder.gep(at, [integer(32 * k)]), v32i8.as_pointer()), align=1)
-        scale = builder.select(finite, builder.fdiv(top, ir.Constant(f32, 127.0)), ir.Constant(f32, float("nan")))
+        quants = [builder.call(rint, [v]) for v in scaled]
+        # the second plane: what rounding to int8 left, in units of 1 / PLANE_SCALE (t - rint(t) is exact)
+        rests = [builder.call(rint, [builder.fmul(builder.fsub(v, q), vector(PLANE_SCALE))])
+                 for v, q in zip(scaled, quants)]
+        quants, rests = ([builder.fptosi(q, v8i32) for q in plane] for plane in (quants, rests))
+        combined = quants if planes == 1 else [builder.add(builder.mul(q, vector(PLANE_SCALE, v8i32)), r)
+                                                for q, r in zip(quants, rests)]
+        total = _horizontal(builder, builder.add(builder.add(combined[0], combined[1]),
+                                                 builder.add(combined[2], combined[3])), builder.add)
+        plane_bytes = builder.udiv(builder.extract_value(patterns_a.shape, 0), integer(planes))
+        block_at = builder.mul(block, integer(32 * len(spread)))
+        for plane, plane_quants in enumerate((quants, rests)[:planes]):
+            narrow = [builder.trunc(q, v8i8) for q in plane_quants]
+            halves = [builder.shuffle_vector(narrow[i], narrow[i + 1],
+                                             ir.Constant(ir.VectorType(i32, 16), list(range(16)))) for i in (0, 2)]
+            packed = builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(i32, 32), list(range(32))))
+            at = builder.gep(builder.bitcast(patterns_a.data, i8.as_pointer()),
+                             [builder.add(block_at, builder.mul(plane_bytes, integer(plane)))])
+            for k, lanes in enumerate(spread):
+                spread_k = builder.shuffle_vector(packed, packed, ir.Constant(ir.VectorType(i32, 32), lanes))
+                builder.store(spread_k, builder.bitcast(builder.gep(at, [integer(32 * k)]), v32i8.as_pointer()),
+                              align=1)
+        unit = 127.0 * (PLANE_SCALE if planes == 2 else 1)
+        scale = builder.select(finite, builder.fdiv(top, ir.Constant(f32, unit)), ir.Constant(f32, float("nan")))
         return context.make_tuple(builder, signature.return_type,
                                   [scale, builder.fmul(scale, builder.sitofp(total, f32))])
 
     return sig, codegen
 
 
-_quantize_spread, _quantize_in_order = _make_quantize_block(SPREAD), _make_quantize_block([list(range(BLOCK))])
+_quantize_spread = _make_quantize_block(SPREAD)
+_quantize_in_order, _quantize_planes = (_make_quantize_block([list(range(BLOCK))], planes) for planes in (1, 2))
 
 
 @njit(cache=True, nogil=True)
-def compact_width(n: int) -> int:
+def compact_width(n: int, planes: int = 1) -> int:
     """float32s per token row of the scratch that ``quantize_compact`` fills, for activations of width n."""
-    return 2 * (n // BLOCK) + n // 4
+    return 2 * (n // BLOCK) + planes * n // 4
 
 
 @njit(cache=True, nogil=True)
-def dequantize(x, scratch, compact=False):
+def dequantize(x, scratch, compact=False, planes=1):
     """x as the int8 tiles see it, xs * xq, from what ``quantize`` (or ``quantize_compact``) wrote to
     scratch for it."""
     n_blocks = x.shape[1] // BLOCK
@@ -134,7 +154,10 @@ def dequantize(x, scratch, compact=False):
         for i in range(x.shape[1]):
             b = i // BLOCK
             at = b * BLOCK + i % BLOCK if compact else b * PATTERN_BYTES * BLOCK + _pattern_at(i % BLOCK)
-            seen[t, i] = scratch[t, b] * np.float32(values[at])
+            xq = np.float32(values[at])
+            if planes == 2:
+                xq = np.float32(PLANE_SCALE) * xq + np.float32(values[x.shape[1] + at])
+            seen[t, i] = scratch[t, b] * xq
     return seen
 
 
@@ -151,11 +174,15 @@ def quantize(x: np.ndarray, scratch: np.ndarray) -> None:
 
 
 @njit(cache=True, nogil=True)
-def quantize_compact(x: np.ndarray, scratch: np.ndarray) -> None:
-    """x's rows as int8 in scratch's rows ([rows, compact_width(width)] or wider): per row, xs per block,
-    xs * sum(xq) per block, then the int8 values in order (the values and rounding of ``quantize``)."""
+def quantize_compact(x: np.ndarray, scratch: np.ndarray, planes: int = 1) -> None:
+    """x's rows as int8 in scratch's rows ([rows, compact_width(width, planes)]): per row, the scale per
+    block, scale * sum(xq) per block, then the int8 values in order (the values and rounding of
+    ``quantize``), and with two planes the second plane's after them (module doc)."""
     n_blocks = x.shape[1] // BLOCK
     for t in range(x.shape[0]):
         values = scratch[t, 2 * n_blocks:].view(np.int8)
         for b in range(n_blocks):
-            scratch[t, b], scratch[t, n_blocks + b] = _quantize_in_order(x[t], values, b)
+            if planes == 2:
+                scratch[t, b], scratch[t, n_blocks + b] = _quantize_planes(x[t], values, b)
+            else:
+                scratch[t, b], scratch[t, n_blocks + b] = _quantize_in_order(x[t], values, b)

@@ -1,10 +1,11 @@
 """Quantized linear layers: GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K and Q5_0 weights, the blocks decoded in
-registers or, for steps of many tokens, sixteen rows at a time into a float32 panel that stays in cache (never
-a dequantized copy of the weights). Steps of more than INT8_TOKENS tokens (prefill) that meet weights of the
-other types (Q8_0, Q5_0, Q6_K, Q5_K, Q5_1) quantize each block of 32 activations to int8 once per product, as
-llama.cpp quantizes them to Q8_0/Q8_K for its GEMMs, and multiply in integer dot products (GEMM tiles: a
-512-token chunk of Qwen2.5-0.5B shaped layers, one thread, 1.7-1.8x faster than through float32 panels; for
-Q4 weights, 2.8x, but they keep the panels: ``_gemm_step`` says why). Steps of up to INT8_TOKENS tokens
+registers or, for Q8_0, Q6_K and Q5_K steps of 8 to 16 tokens, sixteen rows at a time into a float32 panel
+that stays in cache (never a dequantized copy of the weights). Steps of more than INT8_TOKENS tokens (prefill)
+quantize each block of 32 activations to int8 once per product, as llama.cpp quantizes them to Q8_0/Q8_K for
+its GEMMs, and multiply in integer dot products (GEMM tiles: a 512-token chunk of Qwen2.5-0.5B shaped layers,
+one thread, 1.7-1.8x faster than through float32 panels). Q4 weights meet activations of two int8 planes,
+15 bits a value (``int8``; 1.5x faster than the panels, half the one-plane rate): with one plane the
+default model's answer to README's question flips (``_planes``). Steps of up to INT8_TOKENS tokens
 (decode) take int8 activations where they meet Q4 (and Q5_0) weights, the nibbles multiplying the activation bytes in
 16-bit integer lanes (a one-token pass then does half the vector work per weight byte; SmolLM2's whole step
 at 8 and 16 sequences is 1.17x and 1.13x faster than through float32 panels), and float32 ones elsewhere.
@@ -29,10 +30,11 @@ layout for groups of one row) and are dequantized and dotted one at a time.
 
 Arithmetic, in LLVM vector IR emitted through numba ``@intrinsic``s (numba's own loops widen the
 nibbles to int64 and do not vectorize), per tile of row groups x tokens:
-  GEMM        (past INT8_TOKENS: all but Q4 kinds; Q4 ones with row_invariant) x = xs * xq per block
-              (``int8.quantize_compact``, once per product and thread), t = sum_i q_i * xq_i exactly in
-              int32 lanes, four bytes of a row a lane (``_dot4``: vpdpbusd, or pmaddubsw and pmaddwd;
-              signed weights as |q| times xq with q's sign, psignb), then acc += d * xs * t, plus m * s
+  GEMM        (past INT8_TOKENS) x = xs * xq per block (``int8.quantize_compact``, once per product and
+              thread; for Q4 weights two planes, xq = 128 hi + lo, unless row_invariant), t = sum_i q_i *
+              xq_i exactly in int32 lanes, four bytes of a row a lane (``_dot4``: vpdpbusd, or pmaddubsw and
+              pmaddwd, per plane; signed weights as |q| times xq with q's sign, psignb), then acc += d * xs *
+              t, plus m * s
               (Q4_1, Q4_K, Q5_K) or - 8 d * s (Q4_0; Q5_0: - 16), s = xs * sum_i xq_i. Tiles of GEMM_GROUPS groups x
               GEMM_TOKENS tokens: each weight vector, gathered once, meets every token's four activation
               bytes broadcast.
@@ -47,7 +49,7 @@ nibbles to int64 and do not vectorize), per tile of row groups x tokens:
               step.)
   4 tokens    (Q8_0 up to PANEL_TOKENS) w_i = d * q_i, then acc_c += w_i * x_ci: each block is decoded
               once for all the tile's tokens.
-  panels      (Q8_0 from PANEL_TOKENS to INT8_TOKENS tokens, Q4 past it) a pair of row groups is decoded
+  panels      (Q8_0, Q6_K, Q5_K from PANEL_TOKENS to INT8_TOKENS tokens) a pair of row groups is decoded
               once, the same w_i, to a float32 panel [n, 16]; 4-token panel tiles then run
               acc_ck += w_ik * x_ci with 2 x 4 accumulators: a weight vector loaded serves four tokens, a
               broadcast two weight vectors.
@@ -73,6 +75,7 @@ register tiles for the others, so a row's bits do not depend on the other rows. 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 
@@ -85,7 +88,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from . import int8
-from .int8 import BLOCK
+from .int8 import BLOCK, PLANE_SCALE
 from .vector import (
     AVX2,
     LANES,
@@ -151,17 +154,12 @@ def _scales(builder: ir.IRBuilder, at: ir.Value, kind: int) -> ir.Value:
     return _halves_to_floats(builder, load(builder, at, 0, v8i16))
 
 
-def _quants(builder: ir.IRBuilder, kind: int, quants: ir.Value) -> Iterator[tuple[int, ir.Value]]:
-    """(element index, <8 x float> of that element's eight rows) for the block's 32 elements, in load
-    order, so that the caller consumes each vector as it is made (fewer live registers)."""
-    if kind in (Q8_0, Q6_K, Q5_K):
-        for i in range(BLOCK):
-            yield i, builder.sitofp(builder.sext(load(builder, quants, GROUP * i, v8i8), v8i32), v8f32)
-        return
-    for j in range(BLOCK // 2):
-        byte = builder.zext(load(builder, quants, GROUP * j, v8i8), v8i32)
-        yield j, builder.sitofp(builder.and_(byte, vector(15, v8i32)), v8f32)
-        yield j + BLOCK // 2, builder.sitofp(builder.lshr(byte, vector(4, v8i32)), v8f32)
+def _quants(builder: ir.IRBuilder, quants: ir.Value) -> Iterator[tuple[int, ir.Value]]:
+    """(element index, <8 x float> of that element's eight rows) for a byte-valued block's 32 elements
+    (Q8_0, Q6_K, Q5_K), in load order, so that the caller consumes each vector as it is made (fewer live
+    registers)."""
+    for i in range(BLOCK):
+        yield i, builder.sitofp(builder.sext(load(builder, quants, GROUP * i, v8i8), v8i32), v8f32)
 
 
 
@@ -219,7 +217,7 @@ def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
                 _prefetch_ahead(builder, block, group_block)
                 scales = [_scales(builder, builder.gep(block, [integer(second * h)]), kind)
                           for h in range(BLOCK // span)]
-                quants = _quants(builder, Q8_0, builder.gep(block, [integer(GROUP * header_bytes)]))
+                quants = _quants(builder, builder.gep(block, [integer(GROUP * header_bytes)]))
                 if kind == Q5_K:  # w_i = d q_i + m, decoded once a block for every token, as consumed
                     quants = _with_min(builder, quants, scales[0],
                                        _scales(builder, builder.gep(block, [integer(second)]), kind))
@@ -450,15 +448,16 @@ def _magnitude(builder: ir.IRBuilder, w: ir.Value) -> ir.Value:
     return builder.call(fn, [w, ir.Constant(ir.IntType(1), 0)])
 
 
-def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int):
+def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
     """An intrinsic ``tile(w, g, g_last, scratch, t, t_last, out)`` for any kind: out[t + c, rows of groups
     g + k], c < n_tokens, k < n_groups (indices past t_last and g_last clamped to them, as the other
-    tiles'), from int8 activations in ``int8.quantize_compact``'s layout. Per block and row, the dot
-    products of the block's (or, Q6_K, each half's) int8 weights or nibbles with the activation bytes
-    are exact in int32 lanes (``_dot4``, four bytes of a row a lane: each weight vector, gathered once,
-    meets every token's four activation bytes broadcast), then acc += d xs dot, plus the offset term
-    m xs sum(xq) (Q4_1, Q4_K, Q5_K) or o d xs sum(xq) (OFFSET: Q4_0, Q5_0) as in the Q4 int8 tiles. Signed
-    weights (Q8_0, Q6_K) multiply as |w| times x with w's sign."""
+    tiles'), from int8 activations in ``int8.quantize_compact``'s layout of ``planes`` planes. Per block and
+    row, the dot products of the block's (or, Q6_K, each half's) int8 weights or nibbles with the activation
+    bytes are exact in int32 lanes (``_dot4``, four bytes of a row a lane: each weight vector, gathered once,
+    meets every token's four activation bytes broadcast; with two planes, each plane's, the first's
+    shifted by PLANE_SCALE's bits and added), then acc += d xs dot, plus the offset term m xs sum(xq) (Q4_1,
+    Q4_K, Q5_K) or o d xs sum(xq) (OFFSET: Q4_0, Q5_0) as in the Q4 int8 tiles. Signed weights (Q8_0, Q6_K)
+    multiply as |w| times x with w's sign."""
     block_bytes, header_bytes, field = LAYOUT[kind]
     group_block, second = GROUP * block_bytes, GROUP * field
     nibbles, signed = kind in (Q4_0, Q4_1, Q4_K, Q5_0), kind in (Q8_0, Q6_K)
@@ -488,6 +487,7 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int):
             scales = [row_pointer(builder, scratch_a, c, f32) for c in tokens]  # a row: int8.quantize_compact
             sums = [builder.gep(row, [n_blocks]) for row in scales]
             values = [builder.bitcast(builder.gep(row, [n_blocks]), i8.as_pointer()) for row in sums]
+            plane_bytes = builder.mul(n_blocks, integer(BLOCK))
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(v8f32, None)) for _ in tokens] for _ in weights]
             with cgutils.for_range(builder, n_blocks) as loop:
                 b = loop.index
@@ -499,15 +499,17 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int):
                 x_scales = [splat(builder, builder.load(builder.gep(r, [b]))) for r in scales]
                 x_sums = [splat(builder, builder.load(builder.gep(r, [b]))) for r in sums]
 
-                def x_bytes(c: int, first: int) -> ir.Value:
-                    """Token c's activations first .. first + 3 of the block in every 32-bit lane."""
-                    four = builder.load(builder.bitcast(builder.gep(x_blocks[c], [integer(first)]), i32.as_pointer()),
-                                        align=1)
+                def x_bytes(c: int, first: int, plane: int) -> ir.Value:
+                    """Token c's activations first .. first + 3 of the block in every 32-bit lane (of a plane)."""
+                    at = builder.gep(x_blocks[c], [builder.add(integer(first),
+                                                               builder.mul(plane_bytes, integer(plane)))])
+                    four = builder.load(builder.bitcast(at, i32.as_pointer()), align=1)
                     return builder.bitcast(_splat_i32(builder, four), v32i8)
 
                 for span in range(spans):
-                    dots = [[ir.Constant(v8i32, None)] * n_tokens for _ in weights]
-                    pairs = [[None] * n_tokens for _ in weights]   # pmaddubsw's sums, not yet widened
+                    # per plane: int32 dot products, and pmaddubsw's sums not yet widened
+                    dots = [[[ir.Constant(v8i32, None)] * n_tokens for _ in weights] for _ in range(planes)]
+                    pairs = [[[None] * n_tokens for _ in weights] for _ in range(planes)]
                     held = 0
                     for p in range(span * loads // spans, (span + 1) * loads // spans):
                         operands = []   # per weight group: (unsigned bytes, signed bytes' sign or None, element)
@@ -521,22 +523,32 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int):
                                 operands.append([(_magnitude(builder, raw) if signed else raw,
                                                   raw if signed else None, 4 * p)])
                         for part in range(len(operands[0])):
-                            for c in range(n_tokens):
-                                x = x_bytes(c, operands[0][part][2])
+                            for c, plane in itertools.product(range(n_tokens), range(planes)):
+                                x = x_bytes(c, operands[0][part][2], plane)
+                                plane_dots, plane_pairs = dots[plane], pairs[plane]
                                 for k, group_operands in enumerate(operands):
                                     unsigned, sign, _ = group_operands[part]
                                     signed_x = x if sign is None else _sign_of(builder, x, sign)
                                     if VNNI:
-                                        dots[k][c] = _dot4(builder, dots[k][c], unsigned, signed_x)
+                                        plane_dots[k][c] = _dot4(builder, plane_dots[k][c], unsigned, signed_x)
                                     else:
                                         products = _pair_products(builder, unsigned, signed_x)
-                                        pairs[k][c] = products if pairs[k][c] is None else builder.add(pairs[k][c],
-                                                                                                       products)
+                                        held_k = plane_pairs[k][c]
+                                        plane_pairs[k][c] = (products if held_k is None
+                                                             else builder.add(held_k, products))
                             held += 1
                             if held == pair_sums:
-                                _widen_held(builder, dots, pairs)
+                                for plane in range(planes):
+                                    _widen_held(builder, dots[plane], pairs[plane])
                                 held = 0
-                    _widen_held(builder, dots, pairs)
+                    for plane in range(planes):
+                        _widen_held(builder, dots[plane], pairs[plane])
+                    if planes == 2:
+                        shift = vector(PLANE_SCALE.bit_length() - 1, v8i32)
+                        dots = [[builder.add(builder.shl(first, shift), second) for first, second in zip(*rows)]
+                                for rows in zip(*dots)]
+                    else:
+                        dots = dots[0]
                     for k, block in enumerate(blocks):
                         d = _scales(builder, builder.gep(block, [integer(second * span)]), kind)
                         m = (_scales(builder, builder.gep(block, [integer(second)]), kind)
@@ -569,8 +581,8 @@ def _splat_i32(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
 
 def _make_unpack(kind: int, n_groups: int):
     """An intrinsic ``unpack(w, g, g_last, panel)``: row groups g + k, k < n_groups (clamped to g_last),
-    decoded to float32, panel[i, 8 k + r] = W[8 (g + k) + r, i], each w = d q + m (Q4_0: m = -8 d; Q8_0:
-    none; Q6_K: the second half's d)."""
+    decoded to float32, panel[i, 8 k + r] = W[8 (g + k) + r, i], each w = d q + m (Q8_0: no m; Q6_K: m is
+    the second half's d)."""
     block_bytes, header_bytes, field = LAYOUT[kind]
     group_block, mins = GROUP * block_bytes, GROUP * field
 
@@ -592,9 +604,8 @@ def _make_unpack(kind: int, n_groups: int):
                     block = builder.gep(w_k, [builder.mul(b, integer(group_block))])
                     _prefetch_ahead(builder, block, group_block)
                     d = _scales(builder, block, kind)
-                    m = (_scales(builder, builder.gep(block, [integer(mins)]), kind) if header_bytes > field
-                         else builder.fmul(d, vector(-8.0)) if kind == Q4_0 else None)
-                    for i, q in _quants(builder, kind, builder.gep(block, [integer(GROUP * header_bytes)])):
+                    m = _scales(builder, builder.gep(block, [integer(mins)]), kind) if header_bytes > field else None
+                    for i, q in _quants(builder, builder.gep(block, [integer(GROUP * header_bytes)])):
                         if kind == Q6_K:   # m is the second half's d
                             value = builder.fmul(q, d if i < BLOCK // 2 else m)
                         else:
@@ -671,15 +682,18 @@ _q5_k_1, _q5_k_4 = _make_q8_0_tile(1, 4, Q5_K), _make_q8_0_tile(4, 2, Q5_K)
 GEMM_GROUPS, GEMM_TOKENS = 2, 3
 _q4_0_gemm, _q4_1_gemm, _q8_0_gemm, _q4_k_gemm, _q6_k_gemm, _q5_k_gemm, _q5_0_gemm = (
     _make_gemm_tile(kind, GEMM_GROUPS, GEMM_TOKENS) for kind in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, Q5_0))
+# Two-plane tiles (Q4 weights' prefill): one thread on Zen 3, a 512-token chunk of 4864 x 896 Q4_0, 2 x 3
+# 29.9 ms, 2 x 2 32.8, 1 x 2 30.0, 2 x 1 30.1, 1 x 4 33.0 (one plane 16.4-18.7, float32 panels 44.5)
+_q4_0_planes, _q4_1_planes, _q4_k_planes = (
+    _make_gemm_tile(kind, GEMM_GROUPS, GEMM_TOKENS, 2) for kind in (Q4_0, Q4_1, Q4_K))
 PANEL_GROUPS = 2  # row groups a panel holds (three measured no faster, and items hold pairs of groups)
-_q4_0_unpack, _q4_1_unpack, _q8_0_unpack, _q4_k_unpack, _q6_k_unpack, _q5_k_unpack = (
-    _make_unpack(kind, PANEL_GROUPS) for kind in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K))
+_q8_0_unpack, _q6_k_unpack, _q5_k_unpack = (_make_unpack(kind, PANEL_GROUPS) for kind in (Q8_0, Q6_K, Q5_K))
 # Panel tiles: 2 x 4 accumulators, two weight vectors and a broadcast fill 11 of the 16 vector registers.
 # (A register tile of 8 tokens in one group, one accumulator each, ran at half their rate: a broadcast per
 # FMA, and no slack over the FMA latency.)
 _panel_tile = _make_panel_tile(PANEL_GROUPS, 4)
-# Tokens per step for each path: past INT8_TOKENS (prefill) Q8_0 and Q5_0 weights take the GEMM tiles and Q4
-# ones panels; up to it (a decode step of up to 16 sequences) Q4 and Q5_0 weights take int8 tiles, Q8_0 float32
+# Tokens per step for each path: past INT8_TOKENS (prefill) every weight takes the GEMM tiles (Q4 ones with
+# two planes); up to it (a decode step of up to 16 sequences) Q4 and Q5_0 weights take int8 tiles, Q8_0 float32
 # register tiles below PANEL_TOKENS and panels from it. Up to ONE_TOKEN_PASSES, the register tiles are one-token passes
 # over the weights. Measured on SmolLM2's layers, 2 threads: float32 panels against register tiles were
 # slower at 3 and 4 tokens, even at 8, 1.15x at 16 and 1.6x at 512.
@@ -711,9 +725,16 @@ def _int8_tile(kind, tokens, w, g, g_last, x, scratch, t, out):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _gemm_tile(kind, w, g, g_last, scratch, t, t_last, out):
-    """The GEMM tile of this weight type."""
-    if kind == Q4_1:
+def _gemm_tile(kind, planes, w, g, g_last, scratch, t, t_last, out):
+    """The GEMM tile of this weight type for activations of one plane or two (Q4 types)."""
+    if planes == 2:
+        if kind == Q4_1:
+            _q4_1_planes(w, g, g_last, scratch, t, t_last, out)
+        elif kind == Q4_K:
+            _q4_k_planes(w, g, g_last, scratch, t, t_last, out)
+        else:
+            _q4_0_planes(w, g, g_last, scratch, t, t_last, out)
+    elif kind == Q4_1:
         _q4_1_gemm(w, g, g_last, scratch, t, t_last, out)
     elif kind == Q4_K:
         _q4_k_gemm(w, g, g_last, scratch, t, t_last, out)
@@ -731,15 +752,9 @@ def _gemm_tile(kind, w, g, g_last, scratch, t, t_last, out):
 
 @njit(cache=True, nogil=True, inline="always")
 def _unpack(kind, w, g, g_last, panel):
-    """The PANEL_GROUPS row groups from g of this weight type decoded to the panel (Q5_0 never takes
-    panels: ``_groups``)."""
-    if kind == Q4_1:
-        _q4_1_unpack(w, g, g_last, panel)
-    elif kind == Q4_K:
-        _q4_k_unpack(w, g, g_last, panel)
-    elif kind == Q4_0:
-        _q4_0_unpack(w, g, g_last, panel)
-    elif kind == Q6_K:
+    """The PANEL_GROUPS row groups from g of this weight type decoded to the panel (the int8 kinds never
+    take panels: ``_groups``)."""
+    if kind == Q6_K:
         _q6_k_unpack(w, g, g_last, panel)
     elif kind == Q5_K:
         _q5_k_unpack(w, g, g_last, panel)
@@ -749,7 +764,7 @@ def _unpack(kind, w, g, g_last, panel):
 
 @njit(cache=True, nogil=True, inline="always")
 def _q4_kind(kind):
-    """Q4_0, Q4_1, Q4_K: weights whose prefill keeps float32 panels (``_gemm_step``)."""
+    """Q4_0, Q4_1, Q4_K: weights whose prefill takes two activation planes (``_planes``)."""
     return kind == Q4_0 or kind == Q4_1 or kind == Q4_K
 
 
@@ -762,13 +777,23 @@ def _int8_kind(kind):
 
 @njit(cache=True, nogil=True, inline="always")
 def _gemm_step(kind, n_tokens, row_invariant):
-    """Whether x of n_tokens rows meets this weight in the GEMM tiles (int8 activations): past INT8_TOKENS,
-    all but Q4 weights; where every row must be computed as a one-row step computes it, the int8 kinds
-    only (a GEMM tile's row has the bits of the one-token int8 tile's: the same integer dot products, then
-    the same float operations; the others' one-token steps are float32). Q4 prefill otherwise keeps
-    float32 panels: int8 activations there turn the default model's answer to README's question (a first
-    token 0.08 logits from a tie) from 'The capital of France is Paris.' to "L'Étoile, la Mar"."""
-    return n_tokens > INT8_TOKENS and (_int8_kind(kind) if row_invariant else not _q4_kind(kind))
+    """Whether x of n_tokens rows meets this weight in the GEMM tiles (int8 activations): past INT8_TOKENS;
+    where every row must be computed as a one-row step computes it, the int8 kinds only (a GEMM tile's row
+    has the bits of the one-token int8 tile's: the same integer dot products, then the same float
+    operations; the others' one-token steps are float32)."""
+    return n_tokens > INT8_TOKENS and (_int8_kind(kind) or not row_invariant)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _planes(kind, row_invariant):
+    """Activation planes of this weight's GEMM tiles: two (15 bits a value, ``int8``) for Q4 weights, one
+    for the others and wherever a row must have the bits of the one-token int8 tiles (row_invariant). With
+    one plane, Q4 prefill turns the default model's answer to README's question (a first token 0.08 logits
+    from a tie) from 'The capital of France is Paris.' to "L'Étoile, la Cité, ..." (llama.cpp's own answer
+    there, whose Q4 GEMMs take Q8 activations); two planes keep the float32 answer at 1.5x the float32
+    panels' speed (a 512-token chunk of 4864 x 896, one Zen 3 thread: 29.9 ms, panels 44.5, one plane 16.4).
+    Q5_0's and the 8-bit kinds' prefill keeps one plane, as llama.cpp's."""
+    return 2 if _q4_kind(kind) and not row_invariant else 1
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -796,10 +821,10 @@ def _groups(kind, w, x, out, g0, g1, scratch, row_invariant=False):
     step size), so a row's result does not depend on the step's other rows."""
     n_tokens = x.shape[0]
     if _gemm_step(kind, n_tokens, row_invariant):
-        rows = _scratch_rows(kind, scratch, x, row_invariant)
+        rows, planes = _scratch_rows(kind, scratch, x, row_invariant), _planes(kind, row_invariant)
         for g in range(g0, g1, GEMM_GROUPS):
             for t in range(0, n_tokens, GEMM_TOKENS):
-                _gemm_tile(kind, w, g, g1 - 1, rows, t, n_tokens - 1, out)
+                _gemm_tile(kind, planes, w, g, g1 - 1, rows, t, n_tokens - 1, out)
     elif _int8_step(kind, n_tokens, row_invariant):
         rows = _scratch_rows(kind, scratch, x, row_invariant)
         tokens = 1 if n_tokens <= ONE_TOKEN_PASSES else 4
@@ -837,7 +862,7 @@ def activation_scratch(n_tokens: int, width: int, row_invariant: bool = False) -
     step's products, x of up to n_tokens rows of up to ``width`` activations: flat, as big as the larger
     of the layouts they may take (``_scratch_rows``)."""
     rows = n_tokens if row_invariant else min(INT8_TOKENS, n_tokens)
-    return np.empty(max(rows * int8.activation_width(width), n_tokens * int8.compact_width(width)), np.float32)
+    return np.empty(max(rows * int8.activation_width(width), n_tokens * int8.compact_width(width, 2)), np.float32)
 
 
 @njit(cache=True, nogil=True)
@@ -846,7 +871,7 @@ def _scratch_rows(kind, scratch, x, row_invariant):
     tiles' compact layout, or the Q4 tiles'."""
     n_tokens, width = x.shape
     compact = _gemm_step(kind, n_tokens, row_invariant)
-    per_row = int8.compact_width(width) if compact else int8.activation_width(width)
+    per_row = int8.compact_width(width, _planes(kind, row_invariant)) if compact else int8.activation_width(width)
     return scratch[:n_tokens * per_row].reshape(n_tokens, per_row)
 
 
@@ -856,7 +881,7 @@ def quantize_activations(kind: int, x: np.ndarray, scratch: np.ndarray, row_inva
     (``int8.quantize_compact``), or for the Q4 tiles, steps of up to INT8_TOKENS rows or of any number
     ``row_invariant`` (``int8.quantize``). Other kinds and steps: nothing."""
     if _gemm_step(kind, x.shape[0], row_invariant):
-        int8.quantize_compact(x, _scratch_rows(kind, scratch, x, row_invariant))
+        int8.quantize_compact(x, _scratch_rows(kind, scratch, x, row_invariant), _planes(kind, row_invariant))
     elif _int8_step(kind, x.shape[0], row_invariant):
         int8.quantize(x, _scratch_rows(kind, scratch, x, row_invariant))
 
@@ -896,7 +921,8 @@ def linear_pairs(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, 
         return g0 * GROUP, g1 * GROUP
     compact = _gemm_step(kind, x.shape[0], row_invariant)
     if compact or _int8_step(kind, x.shape[0], row_invariant):  # as the tiles saw x
-        x = int8.dequantize(x, _scratch_rows(kind, scratch, x, row_invariant), compact)
+        planes = _planes(kind, row_invariant) if compact else 1
+        x = int8.dequantize(x, _scratch_rows(kind, scratch, x, row_invariant), compact, planes)
     weights = np.empty(x.shape[1], np.float32)
     for row in range(full_groups * GROUP, n_rows):
         _dequantize_row(kind, blocks, row, weights)
