@@ -40,8 +40,9 @@ nibbles to int64 and do not vectorize), per tile of row groups x tokens:
               bytes broadcast.
   int8        (Q4 and Q5_0, steps of up to INT8_TOKENS) the same x, from ``int8.quantize``'s layout,
               t = sum_i q_i * xq_i exactly in 16-bit lanes (pmaddubsw: nibbles times activation
-              bytes, a row's two elements per lane), then the same acc. Tiles of one group x one token
-              (up to ONE_TOKEN_PASSES tokens) or x four tokens.
+              bytes, a row's two elements per lane), then the same acc. Tiles of one group x four
+              tokens; steps of up to ONE_TOKEN_PASSES tokens take one-group, one-token GEMM tiles on the
+              compact activations instead (wide rows' eight copies of each activation left L1).
   one token   (Q8_0) t = sum_i q_i * x_i in float32 (four partial chains), acc += d * t. Q8_0 keeps
               float32 activations in decode steps: it is the output layer of Q4 checkpoints, and int8 ones
               there (tried: 1.15x faster at one token) flip near-tied next tokens, SmolLM2's first answer
@@ -666,12 +667,11 @@ def _prefetch_ahead(builder: ir.IRBuilder, block: ir.Value, group_block: int) ->
 
 
 
-# Tile shapes, the fastest measured on Zen 3. Q4 (and Q5_0) int8 tiles: one group of one token or four (why:
-# their doc). Q8_0: one token with four partial sums (its cheap decode leaves the FMA latency exposed, and two
-# groups spill registers), or four tokens with two.
-(_q4_0_int8_1, _q4_1_int8_1, _q4_k_int8_1, _q5_0_int8_1,
- _q4_0_int8_4, _q4_1_int8_4, _q4_k_int8_4, _q5_0_int8_4) = (
-    _make_int8_tile(kind, tokens) for tokens in (1, 4) for kind in (Q4_0, Q4_1, Q4_K, Q5_0))
+# Tile shapes, the fastest measured on Zen 3. Q4 (and Q5_0) int8 tiles: one group of four tokens (why: their
+# doc; one token takes the one-token GEMM tiles below). Q8_0: one token with four partial sums (its cheap
+# decode leaves the FMA latency exposed, and two groups spill registers), or four tokens with two.
+_q4_0_int8_4, _q4_1_int8_4, _q4_k_int8_4, _q5_0_int8_4 = (
+    _make_int8_tile(kind, 4) for kind in (Q4_0, Q4_1, Q4_K, Q5_0))
 _q8_0_1, _q8_0_4 = _make_q8_0_tile(1, 4), _make_q8_0_tile(4, 2)
 _q6_k_1, _q6_k_4 = _make_q8_0_tile(1, 4, Q6_K), _make_q8_0_tile(4, 2, Q6_K)
 _q5_k_1, _q5_k_4 = _make_q8_0_tile(1, 4, Q5_K), _make_q8_0_tile(4, 2, Q5_K)
@@ -686,6 +686,12 @@ _q4_0_gemm, _q4_1_gemm, _q8_0_gemm, _q4_k_gemm, _q6_k_gemm, _q5_k_gemm, _q5_0_ge
 # 29.9 ms, 2 x 2 32.8, 1 x 2 30.0, 2 x 1 30.1, 1 x 4 33.0 (one plane 16.4-18.7, float32 panels 44.5)
 _q4_0_planes, _q4_1_planes, _q4_k_planes = (
     _make_gemm_tile(kind, GEMM_GROUPS, GEMM_TOKENS, 2) for kind in (Q4_0, Q4_1, Q4_K))
+# One-token GEMM tiles (the int8 kinds' steps of up to ONE_TOKEN_PASSES tokens: decode), on the compact
+# activations: their 1 byte a value stays in L1 where the int8 tiles' 8 (a copy per row of the group) spilled
+# to L2 on wide rows. Streaming 40 distinct Q4_0 weights, 2 threads, Zen 3: 8960 x 1536 27-31 GB/s against
+# 20-21 through the int8 tiles, 1536 x 8960 23 against 14, 8960 x 896 34-36 against 26-29 (the same bits);
+# two groups a tile ran slower (12-23 GB/s).
+_q4_0_gemv, _q4_1_gemv, _q4_k_gemv, _q5_0_gemv = (_make_gemm_tile(kind, 1, 1) for kind in (Q4_0, Q4_1, Q4_K, Q5_0))
 PANEL_GROUPS = 2  # row groups a panel holds (three measured no faster, and items hold pairs of groups)
 _q8_0_unpack, _q6_k_unpack, _q5_k_unpack = (_make_unpack(kind, PANEL_GROUPS) for kind in (Q8_0, Q6_K, Q5_K))
 # Panel tiles: 2 x 4 accumulators, two weight vectors and a broadcast fill 11 of the 16 vector registers.
@@ -701,25 +707,14 @@ ONE_TOKEN_PASSES, PANEL_TOKENS, INT8_TOKENS = 2, 8, 16
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _int8_tile(kind, tokens, w, g, g_last, x, scratch, t, out):
-    """The int8 tile of this Q4 type (or Q5_0) for 1 or 4 tokens."""
+def _int8_tile(kind, w, g, g_last, x, scratch, t, out):
+    """The four-token int8 tile of this Q4 type (or Q5_0)."""
     if kind == Q5_0:
-        if tokens == 1:
-            _q5_0_int8_1(w, g, g_last, x, scratch, t, out)
-        else:
-            _q5_0_int8_4(w, g, g_last, x, scratch, t, out)
+        _q5_0_int8_4(w, g, g_last, x, scratch, t, out)
     elif kind == Q4_1:
-        if tokens == 1:
-            _q4_1_int8_1(w, g, g_last, x, scratch, t, out)
-        else:
-            _q4_1_int8_4(w, g, g_last, x, scratch, t, out)
+        _q4_1_int8_4(w, g, g_last, x, scratch, t, out)
     elif kind == Q4_K:
-        if tokens == 1:
-            _q4_k_int8_1(w, g, g_last, x, scratch, t, out)
-        else:
-            _q4_k_int8_4(w, g, g_last, x, scratch, t, out)
-    elif tokens == 1:
-        _q4_0_int8_1(w, g, g_last, x, scratch, t, out)
+        _q4_k_int8_4(w, g, g_last, x, scratch, t, out)
     else:
         _q4_0_int8_4(w, g, g_last, x, scratch, t, out)
 
@@ -748,6 +743,19 @@ def _gemm_tile(kind, planes, w, g, g_last, scratch, t, t_last, out):
         _q5_0_gemm(w, g, g_last, scratch, t, t_last, out)
     else:
         _q8_0_gemm(w, g, g_last, scratch, t, t_last, out)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _gemv_tile(kind, w, g, g_last, scratch, t, out):
+    """The one-token GEMM tile of this int8 kind (Q4 types, Q5_0)."""
+    if kind == Q4_1:
+        _q4_1_gemv(w, g, g_last, scratch, t, t, out)
+    elif kind == Q4_K:
+        _q4_k_gemv(w, g, g_last, scratch, t, t, out)
+    elif kind == Q5_0:
+        _q5_0_gemv(w, g, g_last, scratch, t, t, out)
+    else:
+        _q4_0_gemv(w, g, g_last, scratch, t, t, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -797,6 +805,23 @@ def _planes(kind, row_invariant):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _gemv_step(kind, n_tokens):
+    """Whether x of n_tokens rows meets this int8 kind's weight in the one-token GEMM tiles: steps of up to
+    ONE_TOKEN_PASSES tokens (a row's bits are the int8 tiles': the same integer dot products, then the same
+    float operations)."""
+    return _int8_kind(kind) and n_tokens <= ONE_TOKEN_PASSES
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _compact_planes(kind, n_tokens, row_invariant):
+    """The planes of the compact int8 activations that x of n_tokens rows takes for this weight
+    (``int8.quantize_compact``), or 0 where it takes another layout (the int8 tiles') or none."""
+    if _gemm_step(kind, n_tokens, row_invariant):
+        return _planes(kind, row_invariant)
+    return 1 if _gemv_step(kind, n_tokens) else 0
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _int8_step(kind, n_tokens, row_invariant):
     """Whether x of n_tokens rows meets this weight in the Q4 int8 tiles: Q4 in steps of up to INT8_TOKENS,
     or of any size when every row must be computed alike (an int8 tile's row is the same whatever its tile
@@ -810,12 +835,14 @@ def _groups(kind, w, x, out, g0, g1, scratch, row_invariant=False):
     - GEMM tiles of GEMM_GROUPS groups x GEMM_TOKENS tokens past INT8_TOKENS tokens (``_gemm_step``), on
       the activations in scratch (``quantize_activations``), each pair of groups meeting every token tile
       while its weights are in cache;
-    - Q4 int8 tiles, on the activations in scratch, of one token each up to ONE_TOKEN_PASSES tokens, else
-      of four, a group meeting the token tiles of INT8_TOKENS tokens at a time while its weights are in L1;
+    - one-token GEMM tiles up to ONE_TOKEN_PASSES tokens for the int8 kinds (``_gemv_step``), each group
+      meeting every token while its weights are in L1;
+    - Q4 int8 tiles of four tokens up to INT8_TOKENS (or of any step, row_invariant), on the activations in
+      scratch, a group meeting the token tiles of INT8_TOKENS tokens at a time while its weights are in L1;
     - Q8_0 (and Q6_K, Q5_K) register tiles of one token or four, token tiles outer, so that the groups'
       weights stay in cache while the tiles pass;
     - or each pair of groups decoded once to a float32 panel (16 rows x n, in cache) that 4-token panel
-      tiles multiply: Q8_0's from PANEL_TOKENS to INT8_TOKENS tokens, Q4's past INT8_TOKENS.
+      tiles multiply: Q8_0's (Q6_K's, Q5_K's) from PANEL_TOKENS to INT8_TOKENS tokens.
     Tiles past the last token are clamped to it. ``row_invariant``: every row as a one-token step computes
     it (int8 tiles for Q4, GEMM ones past INT8_TOKENS, and one-token register tiles for the others, at any
     step size), so a row's result does not depend on the step's other rows."""
@@ -825,13 +852,17 @@ def _groups(kind, w, x, out, g0, g1, scratch, row_invariant=False):
         for g in range(g0, g1, GEMM_GROUPS):
             for t in range(0, n_tokens, GEMM_TOKENS):
                 _gemm_tile(kind, planes, w, g, g1 - 1, rows, t, n_tokens - 1, out)
+    elif _gemv_step(kind, n_tokens):
+        rows = _scratch_rows(kind, scratch, x, row_invariant)
+        for g in range(g0, g1):
+            for t in range(n_tokens):
+                _gemv_tile(kind, w, g, g1 - 1, rows, t, out)
     elif _int8_step(kind, n_tokens, row_invariant):
         rows = _scratch_rows(kind, scratch, x, row_invariant)
-        tokens = 1 if n_tokens <= ONE_TOKEN_PASSES else 4
         for t0 in range(0, n_tokens, INT8_TOKENS):
             for g in range(g0, g1):
-                for t in range(t0, min(n_tokens, t0 + INT8_TOKENS), tokens):
-                    _int8_tile(kind, tokens, w, g, g1 - 1, x, rows, t, out)
+                for t in range(t0, min(n_tokens, t0 + INT8_TOKENS), 4):
+                    _int8_tile(kind, w, g, g1 - 1, x, rows, t, out)
     elif not _int8_kind(kind) and (n_tokens < PANEL_TOKENS or row_invariant):
         tokens = 1 if n_tokens <= ONE_TOKEN_PASSES or row_invariant else 4
         for t in range(0, n_tokens, tokens):
@@ -870,18 +901,19 @@ def _scratch_rows(kind, scratch, x, row_invariant):
     """The rows of ``scratch`` that x's int8 activations take, where x meets this weight as int8: the GEMM
     tiles' compact layout, or the Q4 tiles'."""
     n_tokens, width = x.shape
-    compact = _gemm_step(kind, n_tokens, row_invariant)
-    per_row = int8.compact_width(width, _planes(kind, row_invariant)) if compact else int8.activation_width(width)
+    planes = _compact_planes(kind, n_tokens, row_invariant)
+    per_row = int8.compact_width(width, planes) if planes else int8.activation_width(width)
     return scratch[:n_tokens * per_row].reshape(n_tokens, per_row)
 
 
 @njit(cache=True, nogil=True)
 def quantize_activations(kind: int, x: np.ndarray, scratch: np.ndarray, row_invariant: bool = False) -> None:
-    """What the int8 tiles read: x as int8 in scratch (``activation_scratch``): for the GEMM tiles
-    (``int8.quantize_compact``), or for the Q4 tiles, steps of up to INT8_TOKENS rows or of any number
-    ``row_invariant`` (``int8.quantize``). Other kinds and steps: nothing."""
-    if _gemm_step(kind, x.shape[0], row_invariant):
-        int8.quantize_compact(x, _scratch_rows(kind, scratch, x, row_invariant), _planes(kind, row_invariant))
+    """What the int8 tiles read: x as int8 in scratch (``activation_scratch``): for the GEMM tiles, one-token
+    ones included (``int8.quantize_compact``), or for the Q4 tiles, steps of up to INT8_TOKENS rows or of
+    any number ``row_invariant`` (``int8.quantize``). Other kinds and steps: nothing."""
+    planes = _compact_planes(kind, x.shape[0], row_invariant)
+    if planes:
+        int8.quantize_compact(x, _scratch_rows(kind, scratch, x, row_invariant), planes)
     elif _int8_step(kind, x.shape[0], row_invariant):
         int8.quantize(x, _scratch_rows(kind, scratch, x, row_invariant))
 
@@ -919,10 +951,9 @@ def linear_pairs(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, 
     _groups(kind, blocks, x, out, g0, g1, scratch, row_invariant)
     if p1 < linear_items_most(n_rows) or n_rows % GROUP == 0:
         return g0 * GROUP, g1 * GROUP
-    compact = _gemm_step(kind, x.shape[0], row_invariant)
-    if compact or _int8_step(kind, x.shape[0], row_invariant):  # as the tiles saw x
-        planes = _planes(kind, row_invariant) if compact else 1
-        x = int8.dequantize(x, _scratch_rows(kind, scratch, x, row_invariant), compact, planes)
+    planes = _compact_planes(kind, x.shape[0], row_invariant)
+    if planes or _int8_step(kind, x.shape[0], row_invariant):  # as the tiles saw x
+        x = int8.dequantize(x, _scratch_rows(kind, scratch, x, row_invariant), planes > 0, max(planes, 1))
     weights = np.empty(x.shape[1], np.float32)
     for row in range(full_groups * GROUP, n_rows):
         _dequantize_row(kind, blocks, row, weights)
