@@ -31,7 +31,7 @@ from lse_core.model.arch import build_graph
 from lse_core.model.gguf import load_gguf
 
 DEVICES = {"jit:0": JitDevice, "cpu:0": CPUDevice}
-PROMPT = [int(t) for t in np.random.default_rng(1).integers(3, 250, 40)]   # past the int8 tiles' 16 rows
+PROMPT = [int(t) for t in np.random.default_rng(1).integers(3, 250, 40)]   # past the decode steps' 16 rows
 N_NEW = 6
 
 

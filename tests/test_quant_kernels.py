@@ -108,13 +108,15 @@ def test_the_shapes_reach_one_and_several_work_items():
 
 
 def test_the_token_counts_reach_every_path():
-    """Each path of quant._groups gets token counts: one-token passes; 4-token tiles (int8 for Q4, float32
-    for Q8_0) with and without a clamped remainder; Q8_0's panels from PANEL_TOKENS; the GEMM tiles (two
-    planes for Q4) past INT8_TOKENS, with a clamped remainder."""
+    """Each path of quant._groups gets token counts: one-token passes (one-token GEMM tiles for Q4 and
+    Q5_0); Q8_0's 4-token float32 tiles with and without a clamped remainder, and its panels from
+    PANEL_TOKENS; the GEMM tiles (for Q4 and Q5_0 from ONE_TOKEN_PASSES, with one plane; two for Q4 past
+    INT8_TOKENS) with a clamped remainder."""
     assert min(TOKENS) <= quant.ONE_TOKEN_PASSES
     assert any(quant.ONE_TOKEN_PASSES < t < quant.PANEL_TOKENS and t % 4 for t in TOKENS)
     assert any(quant.PANEL_TOKENS <= t <= quant.INT8_TOKENS and t % 4 == 0 for t in TOKENS)
     assert any(t > quant.INT8_TOKENS and t % quant.GEMM_TOKENS for t in TOKENS)
+    assert any(quant.ONE_TOKEN_PASSES < t <= quant.INT8_TOKENS and t % quant.GEMM_TOKENS for t in TOKENS)
 
 
 @pytest.mark.parametrize("qtype, rows, n", [(q, r, n) for q in QTYPES for r, n in SHAPES]

@@ -241,7 +241,7 @@ def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tok
     widest = 0
     for a in acts:
         widest = max(widest, a.shape[1])
-    scratch = quant.activation_scratch(tokens.shape[0], widest, row_invariant)  # this thread's int8 activations
+    scratch = quant.activation_scratch(tokens.shape[0], widest)  # this thread's int8 activations
     quantized_for = -1  # the instruction they are for
     before, before_items = -1, 0  # the task before: its done counter and item count
     for k in range(code.shape[0]):

@@ -6,9 +6,9 @@ its GEMMs, and multiply in integer dot products (GEMM tiles: a 512-token chunk o
 one thread, 1.7-1.8x faster than through float32 panels). Q4 weights meet activations of two int8 planes,
 15 bits a value (``int8``; 1.5x faster than the panels, half the one-plane rate): with one plane the
 default model's answer to README's question flips (``_planes``). Steps of up to INT8_TOKENS tokens
-(decode) take int8 activations where they meet Q4 (and Q5_0) weights, the nibbles multiplying the activation bytes in
-16-bit integer lanes (a one-token pass then does half the vector work per weight byte; SmolLM2's whole step
-at 8 and 16 sequences is 1.17x and 1.13x faster than through float32 panels), and float32 ones elsewhere.
+(decode) take one-plane int8 activations where they meet Q4 (and Q5_0) weights, the nibbles multiplying the
+activation bytes in 16-bit integer lanes (SmolLM2's whole step at 8 and 16 sequences was 1.17x and 1.13x
+faster than through float32 panels), and float32 ones elsewhere.
 Q4_K is read as Q4_1 blocks whose d and m are float32 (``_from_q4_k``: the same values, 0.75 bytes each),
 Q6_K as Q8_0 blocks with a float32 d for each half (``_from_q6_k``, 1.25 bytes each), Q5_K as Q8_0 blocks
 with a float32 d and m (``_from_q5_k``, 1.25 bytes each): on SmolLM2-shaped layers, one thread, a decode
@@ -30,19 +30,16 @@ layout for groups of one row) and are dequantized and dotted one at a time.
 
 Arithmetic, in LLVM vector IR emitted through numba ``@intrinsic``s (numba's own loops widen the
 nibbles to int64 and do not vectorize), per tile of row groups x tokens:
-  GEMM        (past INT8_TOKENS) x = xs * xq per block (``int8.quantize_compact``, once per product and
-              thread; for Q4 weights two planes, xq = 128 hi + lo, unless row_invariant), t = sum_i q_i *
-              xq_i exactly in int32 lanes, four bytes of a row a lane (``_dot4``: vpdpbusd, or pmaddubsw and
-              pmaddwd, per plane; signed weights as |q| times xq with q's sign, psignb), then acc += d * xs *
-              t, plus m * s
-              (Q4_1, Q4_K, Q5_K) or - 8 d * s (Q4_0; Q5_0: - 16), s = xs * sum_i xq_i. Tiles of GEMM_GROUPS groups x
-              GEMM_TOKENS tokens: each weight vector, gathered once, meets every token's four activation
-              bytes broadcast.
-  int8        (Q4 and Q5_0, steps of up to INT8_TOKENS) the same x, from ``int8.quantize``'s layout,
-              t = sum_i q_i * xq_i exactly in 16-bit lanes (pmaddubsw: nibbles times activation
-              bytes, a row's two elements per lane), then the same acc. Tiles of one group x four
-              tokens; steps of up to ONE_TOKEN_PASSES tokens take one-group, one-token GEMM tiles on the
-              compact activations instead (wide rows' eight copies of each activation left L1).
+  GEMM        (past INT8_TOKENS; Q4 and Q5_0 weights at every step) x = xs * xq per block
+              (``int8.quantize_compact``, once per product and thread; for Q4 weights past INT8_TOKENS two
+              planes, xq = 128 hi + lo, unless row_invariant), t = sum_i q_i * xq_i exactly in int32 lanes,
+              four bytes of a row a lane (``_dot4``: vpdpbusd, or pmaddubsw and pmaddwd, per plane; signed
+              weights as |q| times xq with q's sign, psignb), then acc += d * xs * t, plus m * s (Q4_1, Q4_K,
+              Q5_K) or - 8 d * s (Q4_0; Q5_0: - 16), s = xs * sum_i xq_i. Tiles of GEMM_GROUPS groups x
+              GEMM_TOKENS tokens, or of one group x one token up to ONE_TOKEN_PASSES tokens: each weight
+              vector, gathered once, meets every token's four activation bytes broadcast. (The Q4 decode
+              tiles once read a layout of eight copies of each activation, one per row of a group, that
+              left L1 on wide rows: the compact one streams Qwen2.5-1.5B's decode step 1.31x faster.)
   one token   (Q8_0) t = sum_i q_i * x_i in float32 (four partial chains), acc += d * t. Q8_0 keeps
               float32 activations in decode steps: it is the output layer of Q4 checkpoints, and int8 ones
               there (tried: 1.15x faster at one token) flip near-tied next tokens, SmolLM2's first answer
@@ -66,12 +63,11 @@ Drivers: a product splits into work items, each a range of row groups that every
 ``linear_item`` runs one item (programs hand items to their threads; ``linear_pairs`` a range of row
 groups), ``linear`` all of them.
 
-Row-invariant (--deterministic): which tile a row meets depends on the step's row count, and the int8 tiles,
-the float32 register tiles of one token and of four, and the panels each round differently. With
-``row_invariant`` every step takes the path of a one-token step, int8 tiles for Q4 (a row's result is the
-same in a tile of one token or four, and in a GEMM tile, which they take past INT8_TOKENS) and one-token
-register tiles for the others, so a row's bits do not depend on the other rows. The measured cost is small
-(benchmarks/deterministic.py).
+Row-invariant (--deterministic): which tile a row meets depends on the step's row count, and two activation
+planes, the float32 register tiles of one token and of four, and the panels each round differently. With
+``row_invariant`` every step takes the path of a one-token step, one-plane GEMM tiles for the int8 kinds (a
+row's result is the same in a tile of one token or of several) and one-token register tiles for the others,
+so a row's bits do not depend on the other rows. The measured cost is small (benchmarks/deterministic.py).
 """
 
 from __future__ import annotations
@@ -252,10 +248,6 @@ def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
     return tile
 
 
-# A 32-byte load of a Q4 group block's quants holds bytes j .. j + 3 of its eight rows ([j][row]); this
-# shuffle pairs each row's bytes within each 16-byte half ([row][j, j + 1], then [row][j + 2, j + 3]), so
-# that one pmaddubsw lane (two adjacent bytes) is one row's two elements.
-ROWS_PAIRED = [16 * h + 8 * e + r for h in (0, 1) for r in range(LANES) for e in (0, 1)]
 v16i16 = ir.VectorType(i16, 16)
 
 
@@ -304,93 +296,9 @@ def _pair_products(builder: ir.IRBuilder, quants: ir.Value, x: ir.Value) -> ir.V
     return builder.add(even, odd)
 
 
-def _row_sums(builder: ir.IRBuilder, pairs: ir.Value) -> ir.Value:
-    """<8 x i32>: row r's two 16-bit sums (lanes r and 8 + r of ``pairs``) added."""
-    halves = (builder.shuffle_vector(pairs, pairs, ir.Constant(v8i32, list(range(h, h + LANES)))) for h in (0, LANES))
-    return builder.add(*(builder.sext(half, v8i32) for half in halves))
-
-
-# The unsigned values of the types without a min are q + OFFSET: the offset term o d xs sum(xq) undoes it.
 OFFSET = {Q4_0: -8.0, Q5_0: -16.0}
 # The largest |value| a tile multiplies, of each kind's bytes as laid out (Q6_K's q - 32, Q8_0's any int8)
 LARGEST = {Q4_0: 15, Q4_1: 15, Q4_K: 15, Q5_0: 31, Q5_K: 31, Q6_K: 32, Q8_0: 128}
-
-
-def _make_int8_tile(kind: int, n_tokens: int):
-    """An intrinsic ``tile(w, g, g_last, x, scratch, t, out)`` for Q4_0, Q4_1, Q4_K and Q5_0: out[t + c,
-    rows of group g], c < n_tokens (clamped to x's last row and g_last, as the float tiles), from the int8
-    activations ``quantize_activations`` wrote to scratch for x. Per block: dot = sum_i q_i xq_i exactly in
-    integers (``_q4_dots``), then acc += d xs dot, plus m xs sum_i xq_i (Q4_1, Q4_K) or o d xs sum_i xq_i
-    (OFFSET o: Q4_0, Q5_0): x @ W.T for x = xs * xq. One group a tile: two groups' accumulators, products and
-    activations spilled the 16 vector registers, and ran 1.15-1.3x slower at 4 to 16 tokens."""
-    block_bytes, header_bytes, field = LAYOUT[kind]
-    group_block, mins = GROUP * block_bytes, GROUP * field   # m follows the group's eight d
-
-    @intrinsic
-    def tile(typingctx, w, g, g_last, x, scratch, t, out):
-        if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, x, scratch, out)):
-            raise TypingError("quantized tiles take C-contiguous 2-D arrays")
-        sig = types.void(w, g, g_last, x, scratch, t, out)
-
-        def codegen(context, builder, signature, args):
-            w_a, x_a, scratch_a, out_a = (context.make_array(signature.args[i])(context, builder, args[i])
-                                          for i in (0, 3, 4, 6))
-            group, last_group, first_token = (context.cast(builder, args[i], signature.args[i], types.intp)
-                                              for i in (1, 2, 5))
-            last_token = builder.sub(builder.extract_value(x_a.shape, 0), integer(1))
-            tokens = [clamp(builder, builder.add(first_token, integer(c)), last_token) for c in range(n_tokens)]
-            group_row = builder.mul(clamp(builder, group, last_group), integer(GROUP))
-            weights = row_pointer(builder, w_a, group_row, i8)
-            n_blocks = builder.lshr(builder.extract_value(x_a.shape, 1), integer(5))
-            scales = [row_pointer(builder, scratch_a, c, f32) for c in tokens]  # a row's layout: int8.quantize
-            sums = [builder.gep(row, [n_blocks]) for row in scales]
-            patterns = [builder.bitcast(builder.gep(row, [n_blocks]), i8.as_pointer()) for row in sums]
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(v8f32, None)) for _ in tokens]
-            with cgutils.for_range(builder, n_blocks) as loop:
-                b = loop.index
-                block = builder.gep(weights, [builder.mul(b, integer(group_block))])
-                _prefetch_ahead(builder, block, group_block)
-                pattern_block = builder.mul(b, integer(int8.PATTERN_BYTES * BLOCK))
-                dots = _q4_dots(builder, kind, block, [builder.gep(row, [pattern_block]) for row in patterns])
-                d = _scales(builder, block, kind)
-                m = _scales(builder, builder.gep(block, [integer(mins)]), kind) if kind not in OFFSET else None
-                for c, acc_c in enumerate(accs):
-                    dot = builder.sitofp(dots[c], v8f32)
-                    x_scale, x_sum = (splat(builder, builder.load(builder.gep(r[c], [b]))) for r in (scales, sums))
-                    if m is not None:  # acc += d xs dot + m xs sum(xq)
-                        acc = fma(builder, builder.fmul(d, x_scale), dot, fma(builder, m, x_sum, builder.load(acc_c)))
-                    else:  # acc += d (xs dot + o xs sum(xq))
-                        acc = fma(builder, d, fma(builder, x_scale, dot, builder.fmul(x_sum, vector(OFFSET[kind]))),
-                                  builder.load(acc_c))
-                    builder.store(acc, acc_c)
-            for c, acc_c in zip(tokens, accs):
-                store(builder, out_a, c, group_row, builder.load(acc_c))
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return tile
-
-
-def _q4_dots(builder: ir.IRBuilder, kind: int, block: ir.Value, patterns: list[ir.Value]) -> list[ir.Value]:
-    """Per token, <8 x i32>: each row's sum of the group block's nibbles (Q5_0: 5-bit values) times the
-    token's activation bytes (the block's 256 pattern bytes), in 16-bit lanes added per row at the end: at
-    most 8 * 3810 for nibbles, exact; 5-bit values (pairs up to 2 * 31 * 127) are added per row after every
-    second load, before 16 bits could overflow. Each vector of weights loaded meets every token."""
-    loads = BLOCK // 2 // 4   # four bytes of the rows per load: 2 x 4 elements each
-    per_sum = 2 if kind == Q5_0 else loads
-    dots, pairs = [None] * len(patterns), [None] * len(patterns)
-    fifth = _fifth_bits(builder, kind, block, ROWS_PAIRED)
-    for p in range(loads):
-        low_values, high_values = _nibbles(builder, kind, block, ROWS_PAIRED, p, fifth)
-        for c, block_patterns in enumerate(patterns):
-            low, high = (load(builder, block_patterns, 32 * (2 * p + h), v32i8) for h in (0, 1))
-            both = builder.add(_pair_products(builder, low_values, low), _pair_products(builder, high_values, high))
-            pairs[c] = both if pairs[c] is None else builder.add(pairs[c], both)
-            if (p + 1) % per_sum == 0:
-                rows = _row_sums(builder, pairs[c])
-                dots[c], pairs[c] = rows if dots[c] is None else builder.add(dots[c], rows), None
-    return dots
 
 
 # A 32-byte load of a group block's quants holds bytes j .. j + 3 of its eight rows ([j][row]); this shuffle
@@ -457,8 +365,8 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
     bytes are exact in int32 lanes (``_dot4``, four bytes of a row a lane: each weight vector, gathered once,
     meets every token's four activation bytes broadcast; with two planes, each plane's, the first's
     shifted by PLANE_SCALE's bits and added), then acc += d xs dot, plus the offset term m xs sum(xq) (Q4_1,
-    Q4_K, Q5_K) or o d xs sum(xq) (OFFSET: Q4_0, Q5_0) as in the Q4 int8 tiles. Signed weights (Q8_0, Q6_K)
-    multiply as |w| times x with w's sign."""
+    Q4_K, Q5_K) or o d xs sum(xq) (OFFSET: Q4_0, Q5_0), x @ W.T for x = xs * xq. Signed weights (Q8_0,
+    Q6_K) multiply as |w| times x with w's sign."""
     block_bytes, header_bytes, field = LAYOUT[kind]
     group_block, second = GROUP * block_bytes, GROUP * field
     nibbles, signed = kind in (Q4_0, Q4_1, Q4_K, Q5_0), kind in (Q8_0, Q6_K)
@@ -667,11 +575,8 @@ def _prefetch_ahead(builder: ir.IRBuilder, block: ir.Value, group_block: int) ->
 
 
 
-# Tile shapes, the fastest measured on Zen 3. Q4 (and Q5_0) int8 tiles: one group of four tokens (why: their
-# doc; one token takes the one-token GEMM tiles below). Q8_0: one token with four partial sums (its cheap
+# Tile shapes, the fastest measured on Zen 3. Q8_0 float32 tiles: one token with four partial sums (its cheap
 # decode leaves the FMA latency exposed, and two groups spill registers), or four tokens with two.
-_q4_0_int8_4, _q4_1_int8_4, _q4_k_int8_4, _q5_0_int8_4 = (
-    _make_int8_tile(kind, 4) for kind in (Q4_0, Q4_1, Q4_K, Q5_0))
 _q8_0_1, _q8_0_4 = _make_q8_0_tile(1, 4), _make_q8_0_tile(4, 2)
 _q6_k_1, _q6_k_4 = _make_q8_0_tile(1, 4, Q6_K), _make_q8_0_tile(4, 2, Q6_K)
 _q5_k_1, _q5_k_4 = _make_q8_0_tile(1, 4, Q5_K), _make_q8_0_tile(4, 2, Q5_K)
@@ -687,10 +592,11 @@ _q4_0_gemm, _q4_1_gemm, _q8_0_gemm, _q4_k_gemm, _q6_k_gemm, _q5_k_gemm, _q5_0_ge
 _q4_0_planes, _q4_1_planes, _q4_k_planes = (
     _make_gemm_tile(kind, GEMM_GROUPS, GEMM_TOKENS, 2) for kind in (Q4_0, Q4_1, Q4_K))
 # One-token GEMM tiles (the int8 kinds' steps of up to ONE_TOKEN_PASSES tokens: decode), on the compact
-# activations: their 1 byte a value stays in L1 where the int8 tiles' 8 (a copy per row of the group) spilled
-# to L2 on wide rows. Streaming 40 distinct Q4_0 weights, 2 threads, Zen 3: 8960 x 1536 27-31 GB/s against
-# 20-21 through the int8 tiles, 1536 x 8960 23 against 14, 8960 x 896 34-36 against 26-29 (the same bits);
-# two groups a tile ran slower (12-23 GB/s).
+# activations: their byte a value stays in L1 where the former int8 tiles' 8 (a copy per row of the group)
+# spilled to L2 on wide rows. Streaming 40 distinct Q4_0 weights, 2 threads, Zen 3: 8960 x 1536 27-31 GB/s
+# against 20-21 through those tiles, 1536 x 8960 23 against 14, 8960 x 896 34-36 against 26-29 (the same
+# bits); two groups a tile ran slower (12-23 GB/s). At 16 tokens the 2 x 3 GEMM tiles took 8960 x 1536 in
+# 27 ms against their 36 (1536 x 8960 alike): the int8 kinds' steps of 3 to 16 tokens take them too.
 _q4_0_gemv, _q4_1_gemv, _q4_k_gemv, _q5_0_gemv = (_make_gemm_tile(kind, 1, 1) for kind in (Q4_0, Q4_1, Q4_K, Q5_0))
 PANEL_GROUPS = 2  # row groups a panel holds (three measured no faster, and items hold pairs of groups)
 _q8_0_unpack, _q6_k_unpack, _q5_k_unpack = (_make_unpack(kind, PANEL_GROUPS) for kind in (Q8_0, Q6_K, Q5_K))
@@ -699,24 +605,12 @@ _q8_0_unpack, _q6_k_unpack, _q5_k_unpack = (_make_unpack(kind, PANEL_GROUPS) for
 # FMA, and no slack over the FMA latency.)
 _panel_tile = _make_panel_tile(PANEL_GROUPS, 4)
 # Tokens per step for each path: past INT8_TOKENS (prefill) every weight takes the GEMM tiles (Q4 ones with
-# two planes); up to it (a decode step of up to 16 sequences) Q4 and Q5_0 weights take int8 tiles, Q8_0 float32
-# register tiles below PANEL_TOKENS and panels from it. Up to ONE_TOKEN_PASSES, the register tiles are one-token passes
-# over the weights. Measured on SmolLM2's layers, 2 threads: float32 panels against register tiles were
-# slower at 3 and 4 tokens, even at 8, 1.15x at 16 and 1.6x at 512.
+# two planes); up to it (a decode step of up to 16 sequences) Q4 and Q5_0 weights take the one-plane GEMM
+# tiles (one-token ones up to ONE_TOKEN_PASSES), Q8_0 float32 register tiles below PANEL_TOKENS and panels
+# from it. Up to ONE_TOKEN_PASSES, the register tiles are one-token passes over the weights. Measured on
+# SmolLM2's layers, 2 threads: float32 panels against register tiles were slower at 3 and 4 tokens, even at
+# 8, 1.15x at 16 and 1.6x at 512.
 ONE_TOKEN_PASSES, PANEL_TOKENS, INT8_TOKENS = 2, 8, 16
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _int8_tile(kind, w, g, g_last, x, scratch, t, out):
-    """The four-token int8 tile of this Q4 type (or Q5_0)."""
-    if kind == Q5_0:
-        _q5_0_int8_4(w, g, g_last, x, scratch, t, out)
-    elif kind == Q4_1:
-        _q4_1_int8_4(w, g, g_last, x, scratch, t, out)
-    elif kind == Q4_K:
-        _q4_k_int8_4(w, g, g_last, x, scratch, t, out)
-    else:
-        _q4_0_int8_4(w, g, g_last, x, scratch, t, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -778,77 +672,71 @@ def _q4_kind(kind):
 
 @njit(cache=True, nogil=True, inline="always")
 def _int8_kind(kind):
-    """Q4 and Q5_0 weights meet int8 activations in steps of up to INT8_TOKENS tokens; Q8_0, Q6_K and Q5_K
-    keep float32 there (they hold output layers: see the module doc)."""
+    """Q4 and Q5_0 weights meet int8 activations at every step; Q8_0, Q6_K and Q5_K keep float32 ones in
+    steps of up to INT8_TOKENS tokens (they hold output layers: see the module doc)."""
     return _q4_kind(kind) or kind == Q5_0
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _gemm_step(kind, n_tokens, row_invariant):
-    """Whether x of n_tokens rows meets this weight in the GEMM tiles (int8 activations): past INT8_TOKENS;
-    where every row must be computed as a one-row step computes it, the int8 kinds only (a GEMM tile's row
-    has the bits of the one-token int8 tile's: the same integer dot products, then the same float
-    operations; the others' one-token steps are float32)."""
-    return n_tokens > INT8_TOKENS and (_int8_kind(kind) or not row_invariant)
+    """Whether x of n_tokens rows meets this weight in the GEMM tiles (int8 activations): the int8 kinds past
+    ONE_TOKEN_PASSES tokens (with one plane, a tile's row has the bits of the one-token tile's: the same
+    integer dot products, then the same float operations), the others past INT8_TOKENS unless every row
+    must be computed as a one-row step computes it (theirs are float32)."""
+    if _int8_kind(kind):
+        return n_tokens > ONE_TOKEN_PASSES
+    return n_tokens > INT8_TOKENS and not row_invariant
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _planes(kind, row_invariant):
-    """Activation planes of this weight's GEMM tiles: two (15 bits a value, ``int8``) for Q4 weights, one
-    for the others and wherever a row must have the bits of the one-token int8 tiles (row_invariant). With
+def _planes(kind, n_tokens, row_invariant):
+    """Activation planes of this weight's GEMM tiles: two (15 bits a value, ``int8``) for Q4 weights past
+    INT8_TOKENS (prefill), one for the others, for decode steps (as the one-token tiles') and wherever a row
+    must have the bits of the one-token tiles (row_invariant). With
     one plane, Q4 prefill turns the default model's answer to README's question (a first token 0.08 logits
     from a tie) from 'The capital of France is Paris.' to "L'Étoile, la Cité, ..." (llama.cpp's own answer
     there, whose Q4 GEMMs take Q8 activations); two planes keep the float32 answer at 1.5x the float32
     panels' speed (a 512-token chunk of 4864 x 896, one Zen 3 thread: 29.9 ms, panels 44.5, one plane 16.4).
     Q5_0's and the 8-bit kinds' prefill keeps one plane, as llama.cpp's."""
-    return 2 if _q4_kind(kind) and not row_invariant else 1
+    return 2 if _q4_kind(kind) and n_tokens > INT8_TOKENS and not row_invariant else 1
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _gemv_step(kind, n_tokens):
     """Whether x of n_tokens rows meets this int8 kind's weight in the one-token GEMM tiles: steps of up to
-    ONE_TOKEN_PASSES tokens (a row's bits are the int8 tiles': the same integer dot products, then the same
-    float operations)."""
+    ONE_TOKEN_PASSES tokens (a row's bits are the other GEMM tiles' with one plane: the same integer dot
+    products, then the same float operations)."""
     return _int8_kind(kind) and n_tokens <= ONE_TOKEN_PASSES
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _compact_planes(kind, n_tokens, row_invariant):
-    """The planes of the compact int8 activations that x of n_tokens rows takes for this weight
-    (``int8.quantize_compact``), or 0 where it takes another layout (the int8 tiles') or none."""
+    """The planes of the int8 activations that x of n_tokens rows takes for this weight
+    (``int8.quantize_compact``), or 0 where it takes float32 ones."""
     if _gemm_step(kind, n_tokens, row_invariant):
-        return _planes(kind, row_invariant)
+        return _planes(kind, n_tokens, row_invariant)
     return 1 if _gemv_step(kind, n_tokens) else 0
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _int8_step(kind, n_tokens, row_invariant):
-    """Whether x of n_tokens rows meets this weight in the Q4 int8 tiles: Q4 in steps of up to INT8_TOKENS,
-    or of any size when every row must be computed alike (an int8 tile's row is the same whatever its tile
-    holds)."""
-    return _int8_kind(kind) and (n_tokens <= INT8_TOKENS or row_invariant)
 
 
 @njit(cache=True, nogil=True)
 def _groups(kind, w, x, out, g0, g1, scratch, row_invariant=False):
     """Row groups g0 .. g1 - 1 against every token (see INT8_TOKENS):
-    - GEMM tiles of GEMM_GROUPS groups x GEMM_TOKENS tokens past INT8_TOKENS tokens (``_gemm_step``), on
-      the activations in scratch (``quantize_activations``), each pair of groups meeting every token tile
-      while its weights are in cache;
+    - GEMM tiles of GEMM_GROUPS groups x GEMM_TOKENS tokens (``_gemm_step``: the int8 kinds past
+      ONE_TOKEN_PASSES tokens, the others past INT8_TOKENS), on the activations in scratch
+      (``quantize_activations``), each pair of groups meeting every token tile while its weights are in
+      cache;
     - one-token GEMM tiles up to ONE_TOKEN_PASSES tokens for the int8 kinds (``_gemv_step``), each group
       meeting every token while its weights are in L1;
-    - Q4 int8 tiles of four tokens up to INT8_TOKENS (or of any step, row_invariant), on the activations in
-      scratch, a group meeting the token tiles of INT8_TOKENS tokens at a time while its weights are in L1;
     - Q8_0 (and Q6_K, Q5_K) register tiles of one token or four, token tiles outer, so that the groups'
       weights stay in cache while the tiles pass;
     - or each pair of groups decoded once to a float32 panel (16 rows x n, in cache) that 4-token panel
       tiles multiply: Q8_0's (Q6_K's, Q5_K's) from PANEL_TOKENS to INT8_TOKENS tokens.
     Tiles past the last token are clamped to it. ``row_invariant``: every row as a one-token step computes
-    it (int8 tiles for Q4, GEMM ones past INT8_TOKENS, and one-token register tiles for the others, at any
-    step size), so a row's result does not depend on the step's other rows."""
+    it (one-plane GEMM tiles for the int8 kinds, one-token register tiles for the others, at any step
+    size), so a row's result does not depend on the step's other rows."""
     n_tokens = x.shape[0]
     if _gemm_step(kind, n_tokens, row_invariant):
-        rows, planes = _scratch_rows(kind, scratch, x, row_invariant), _planes(kind, row_invariant)
+        rows, planes = _scratch_rows(kind, scratch, x, row_invariant), _planes(kind, n_tokens, row_invariant)
         for g in range(g0, g1, GEMM_GROUPS):
             for t in range(0, n_tokens, GEMM_TOKENS):
                 _gemm_tile(kind, planes, w, g, g1 - 1, rows, t, n_tokens - 1, out)
@@ -857,13 +745,7 @@ def _groups(kind, w, x, out, g0, g1, scratch, row_invariant=False):
         for g in range(g0, g1):
             for t in range(n_tokens):
                 _gemv_tile(kind, w, g, g1 - 1, rows, t, out)
-    elif _int8_step(kind, n_tokens, row_invariant):
-        rows = _scratch_rows(kind, scratch, x, row_invariant)
-        for t0 in range(0, n_tokens, INT8_TOKENS):
-            for g in range(g0, g1):
-                for t in range(t0, min(n_tokens, t0 + INT8_TOKENS), 4):
-                    _int8_tile(kind, w, g, g1 - 1, x, rows, t, out)
-    elif not _int8_kind(kind) and (n_tokens < PANEL_TOKENS or row_invariant):
+    elif n_tokens < PANEL_TOKENS or row_invariant:
         tokens = 1 if n_tokens <= ONE_TOKEN_PASSES or row_invariant else 4
         for t in range(0, n_tokens, tokens):
             for g in range(g0, g1):
@@ -888,34 +770,27 @@ def _groups(kind, w, x, out, g0, g1, scratch, row_invariant=False):
 
 
 @njit(cache=True, nogil=True)
-def activation_scratch(n_tokens: int, width: int, row_invariant: bool = False) -> np.ndarray:
+def activation_scratch(n_tokens: int, width: int) -> np.ndarray:
     """A thread's scratch (each thread quantizes what it multiplies) for ``quantize_activations`` of any
-    step's products, x of up to n_tokens rows of up to ``width`` activations: flat, as big as the larger
-    of the layouts they may take (``_scratch_rows``)."""
-    rows = n_tokens if row_invariant else min(INT8_TOKENS, n_tokens)
-    return np.empty(max(rows * int8.activation_width(width), n_tokens * int8.compact_width(width, 2)), np.float32)
+    step's products, x of up to n_tokens rows of up to ``width`` activations, in up to two planes."""
+    return np.empty(n_tokens * int8.compact_width(width, 2), np.float32)
 
 
 @njit(cache=True, nogil=True)
 def _scratch_rows(kind, scratch, x, row_invariant):
-    """The rows of ``scratch`` that x's int8 activations take, where x meets this weight as int8: the GEMM
-    tiles' compact layout, or the Q4 tiles'."""
+    """The rows of ``scratch`` that x's int8 activations take, where x meets this weight as int8."""
     n_tokens, width = x.shape
-    planes = _compact_planes(kind, n_tokens, row_invariant)
-    per_row = int8.compact_width(width, planes) if planes else int8.activation_width(width)
+    per_row = int8.compact_width(width, _compact_planes(kind, n_tokens, row_invariant))
     return scratch[:n_tokens * per_row].reshape(n_tokens, per_row)
 
 
 @njit(cache=True, nogil=True)
 def quantize_activations(kind: int, x: np.ndarray, scratch: np.ndarray, row_invariant: bool = False) -> None:
-    """What the int8 tiles read: x as int8 in scratch (``activation_scratch``): for the GEMM tiles, one-token
-    ones included (``int8.quantize_compact``), or for the Q4 tiles, steps of up to INT8_TOKENS rows or of
-    any number ``row_invariant`` (``int8.quantize``). Other kinds and steps: nothing."""
+    """What the GEMM tiles read: x as int8 in scratch (``activation_scratch``, ``int8.quantize_compact``)
+    where it meets this weight in them. Other kinds and steps: nothing."""
     planes = _compact_planes(kind, x.shape[0], row_invariant)
     if planes:
         int8.quantize_compact(x, _scratch_rows(kind, scratch, x, row_invariant), planes)
-    elif _int8_step(kind, x.shape[0], row_invariant):
-        int8.quantize(x, _scratch_rows(kind, scratch, x, row_invariant))
 
 
 # Work items: a product splits into items of about ITEM_WORK block-rows x tokens (~5 us here, where
@@ -952,8 +827,8 @@ def linear_pairs(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, 
     if p1 < linear_items_most(n_rows) or n_rows % GROUP == 0:
         return g0 * GROUP, g1 * GROUP
     planes = _compact_planes(kind, x.shape[0], row_invariant)
-    if planes or _int8_step(kind, x.shape[0], row_invariant):  # as the tiles saw x
-        x = int8.dequantize(x, _scratch_rows(kind, scratch, x, row_invariant), planes > 0, max(planes, 1))
+    if planes:  # as the tiles saw x
+        x = int8.dequantize(x, _scratch_rows(kind, scratch, x, row_invariant), planes)
     weights = np.empty(x.shape[1], np.float32)
     for row in range(full_groups * GROUP, n_rows):
         _dequantize_row(kind, blocks, row, weights)
@@ -980,7 +855,7 @@ def linear(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, row_in
             or out.shape != (x.shape[0], blocks.shape[0])):
         raise ValueError("linear: weight, activation and output shapes disagree")
     n_items = linear_items(blocks.shape[0], x)
-    scratch = activation_scratch(x.shape[0], x.shape[1], row_invariant)
+    scratch = activation_scratch(x.shape[0], x.shape[1])
     quantize_activations(kind, x, scratch, row_invariant)
     if n_items == 1:  # the calling thread alone beats waking the others
         linear_item(kind, blocks, x, out, 0, 1, scratch, row_invariant)
