@@ -39,7 +39,7 @@ def _horizontal(builder: ir.IRBuilder, value: ir.Value, combine) -> ir.Value:
 def _make_quantize_block(planes: int):
     """An intrinsic ``quantize_block(x, values, b)``: block b of the 1-D float32 row x as int8 (see the
     module doc), its 32 values stored in order at byte 32 b of ``values``, and with two planes the second
-    plane's len(values) / 2 bytes after the first's; returns (the scale, the scale * sum(xq)): xs, or with
+    plane's len(x) bytes after the first's; returns (the scale, the scale * sum(xq)): xs, or with
     two planes xs / PLANE_SCALE; NaN for a block with a NaN or an infinity. Its largest |x| is an integer
     max of the bits (the order of non-negative floats, infinities and NaNs above all), so no NaN is lost on
     the way."""
@@ -73,18 +73,18 @@ def _quantize_block(planes, typingctx, x, values_array, b):
         rint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f32, [v8f32]), "llvm.rint.v8f32")
         scaled = [builder.fmul(builder.select(finite, v, ir.Constant(v8f32, None)), splat(builder, inverse))
                   for v in values]
-        quants = [builder.call(rint, [v]) for v in scaled]
-        # the second plane: what rounding to int8 left, in units of 1 / PLANE_SCALE (t - rint(t) is exact)
-        rests = [builder.call(rint, [builder.fmul(builder.fsub(v, q), vector(PLANE_SCALE))])
-                 for v, q in zip(scaled, quants)]
-        quants, rests = ([builder.fptosi(q, v8i32) for q in plane] for plane in (quants, rests))
-        combined = quants if planes == 1 else [builder.add(builder.mul(q, vector(PLANE_SCALE, v8i32)), r)
-                                                for q, r in zip(quants, rests)]
+        rounded = [builder.call(rint, [v]) for v in scaled]
+        stored = [[builder.fptosi(q, v8i32) for q in rounded]]
+        combined = stored[0]
+        if planes == 2:  # the second plane: what rounding to int8 left, in units of 1 / PLANE_SCALE (exact)
+            stored.append([builder.fptosi(builder.call(rint, [builder.fmul(builder.fsub(v, q), vector(PLANE_SCALE))]),
+                                          v8i32) for v, q in zip(scaled, rounded)])
+            combined = [builder.add(builder.mul(q, vector(PLANE_SCALE, v8i32)), r) for q, r in zip(*stored)]
         total = _horizontal(builder, builder.add(builder.add(combined[0], combined[1]),
                                                  builder.add(combined[2], combined[3])), builder.add)
-        plane_bytes = builder.udiv(builder.extract_value(values_a.shape, 0), integer(planes))
+        plane_bytes = builder.extract_value(x_a.shape, 0)   # a plane holds a byte per value of the row
         block_at = builder.mul(block, integer(BLOCK))
-        for plane, plane_quants in enumerate((quants, rests)[:planes]):
+        for plane, plane_quants in enumerate(stored):
             narrow = [builder.trunc(q, v8i8) for q in plane_quants]
             halves = [builder.shuffle_vector(narrow[i], narrow[i + 1],
                                              ir.Constant(ir.VectorType(i32, 16), list(range(16)))) for i in (0, 2)]

@@ -690,14 +690,13 @@ def _gemm_step(kind, n_tokens, row_invariant):
 
 @njit(cache=True, nogil=True, inline="always")
 def _planes(kind, n_tokens, row_invariant):
-    """Activation planes of this weight's GEMM tiles: two (15 bits a value, ``int8``) for Q4 weights past
-    INT8_TOKENS (prefill), one for the others, for decode steps (as the one-token tiles') and wherever a row
-    must have the bits of the one-token tiles (row_invariant). With
-    one plane, Q4 prefill turns the default model's answer to README's question (a first token 0.08 logits
-    from a tie) from 'The capital of France is Paris.' to "L'Étoile, la Cité, ..." (llama.cpp's own answer
-    there, whose Q4 GEMMs take Q8 activations); two planes keep the float32 answer at 1.5x the float32
-    panels' speed (a 512-token chunk of 4864 x 896, one Zen 3 thread: 29.9 ms, panels 44.5, one plane 16.4).
-    Q5_0's and the 8-bit kinds' prefill keeps one plane, as llama.cpp's."""
+    """Activation planes of this weight's GEMM tiles: two (15 bits a value, ``int8``) for Q4 weights past INT8_TOKENS
+    (prefill), one for the others, for decode steps (as the one-token tiles') and wherever a row must have the
+    bits of the one-token tiles (row_invariant). With one plane, Q4 prefill turns the default model's answer to
+    README's question (a first token 0.08 logits from a tie) from 'The capital of France is Paris.' to
+    "L'Étoile, la Cité, ..." (llama.cpp's own answer there, whose Q4 GEMMs take Q8 activations); two planes keep
+    the float32 answer at 1.5x the float32 panels' speed (a 512-token chunk of 4864 x 896, one Zen 3 thread:
+    29.9 ms, panels 44.5, one plane 16.4). Q5_0's and the 8-bit kinds' prefill keeps one plane, as llama.cpp's."""
     return 2 if _q4_kind(kind) and n_tokens > INT8_TOKENS and not row_invariant else 1
 
 
