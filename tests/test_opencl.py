@@ -11,6 +11,7 @@ import pytest
 from checkpoints import greedy_sampling, make_step
 from gguf import GGMLQuantizationType, quants
 
+from lse_backends.cpu import CPUDevice
 from lse_backends.opencl import OpenCLBackend
 from lse_core.devices.hookspec import CompileContext
 from lse_core.graph.fuse import FusedGroup, fuse
@@ -320,6 +321,17 @@ def test_top_p(device):
     np.testing.assert_array_equal(got[0], want)
     assert np.isfinite(got[1]).sum() == 1 and got[1].argmax() == logits[1].argmax()   # the top token stays
     np.testing.assert_array_equal(got[2], logits[2])
+
+
+def test_top_p_keeps_the_lowest_ids_of_a_tie_as_the_interpreter(device):
+    rng = np.random.default_rng(12)
+    logits = rng.standard_normal((3, 4000)).astype(np.float32)
+    logits[:, 50:60] = 12.0     # ten tied tokens hold nearly all the mass
+    logits[2, 3000] = 12.5      # above the tie
+    s = sampling_batch(rng, 3, top_p=[0.3, 0.0, 0.5])
+    got = run_sampling(device, "top_p", logits, s)
+    np.testing.assert_array_equal(got, run_sampling(CPUDevice(), "top_p", logits, s))
+    assert [np.flatnonzero(np.isfinite(row)).tolist() for row in got[:2]] == [[50, 51, 52, 53], [50]]
 
 
 def test_min_p(device):

@@ -388,8 +388,9 @@ extern "C" __global__ void top_k(float* logits, const int* top_k, const int* nee
     if (order_key(x[i]) < keep) x[i] = NEG_INF;
 }
 
-/* top_p: one block per row; keeps the largest values whose probability mass reaches top_p (the top
-   token always; tokens tied with the last one kept). */
+/* top_p: one block per row; keeps the smallest prefix by descending probability whose mass reaches
+   top_p, id order on ties as in the interpreter: every value above the last kept one, then, of the
+   tokens tied with it, the lowest ids until the mass reaches the target. */
 extern "C" __global__ void top_p(float* logits, const float* top_p, const int* needed, int vocab) {
   const int row = blockIdx.x;
   if (!needed[row]) return;
@@ -399,10 +400,30 @@ extern "C" __global__ void top_p(float* logits, const float* top_p, const int* n
   max = block_max(max);
   float total = 0.0f;
   for (int i = threadIdx.x; i < vocab; i += blockDim.x) total += expf(x[i] - max);
-  total = block_sum(total);
-  const unsigned int keep = threshold_key(x, vocab, order_key(max), false, top_p[row] * total, max);
-  for (int i = threadIdx.x; i < vocab; i += blockDim.x)
-    if (order_key(x[i]) < keep) x[i] = NEG_INF;
+  const float target = top_p[row] * block_sum(total);
+  const unsigned int keep = threshold_key(x, vocab, order_key(max), false, target, max);
+  float above = 0.0f, tied = 0.0f, at = NEG_INF;
+  for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+    const unsigned int key = order_key(x[i]);
+    if (key > keep) above += expf(x[i] - max);
+    else if (key == keep) { tied += 1.0f; at = x[i]; }
+  }
+  float mass = block_sum(above);
+  const float n_tied = block_sum(tied), weight = expf(block_max(at) - max);
+  float taken = 0.0f;   /* at least one, as the interpreter keeps the token whose mass reaches the target */
+  for (; taken < n_tied && (taken == 0.0f || mass < target); taken += 1.0f) mass += weight;
+  int lo = 0, hi = vocab;   /* the smallest id bound below which `taken` tied tokens lie */
+  while (taken < n_tied && lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    float below = 0.0f;
+    for (int i = threadIdx.x; i < mid; i += blockDim.x) below += order_key(x[i]) == keep ? 1.0f : 0.0f;
+    if (block_sum(below) >= taken) hi = mid; else lo = mid + 1;
+  }
+  const int bound = taken < n_tied ? lo : vocab;
+  for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+    const unsigned int key = order_key(x[i]);
+    if (key < keep || (key == keep && i >= bound)) x[i] = NEG_INF;
+  }
 }
 
 /* min_p: one block per row; p < min_p * p_top  <=>  exp(x - max) < min_p. */

@@ -418,9 +418,33 @@ __kernel void top_p(__global float* out, __global const float* logits, __global 
   for (int i = get_local_id(0); i < vocab; i += WG) { dst[i] = exp(row[i] - m); z += dst[i]; }
   z = group_sum(z, tmp);
   barrier(CLK_GLOBAL_MEM_FENCE);
-  const uint key = min(bisect_key(row, dst, vocab, top_p[s] * z, tmp), order_key(m));
+  const float target = top_p[s] * z;
+  const uint key = min(bisect_key(row, dst, vocab, target, tmp), order_key(m));
+  // of the tokens tied with the last kept value, the lowest ids until the mass reaches the target (at
+  // least one), as the interpreter keeps them
+  float above = 0.0f, tied = 0.0f, at = -INFINITY;
+  for (int i = get_local_id(0); i < vocab; i += WG) {
+    const uint k = order_key(row[i]);
+    if (k > key) above += dst[i];
+    else if (k == key) { tied += 1.0f; at = row[i]; }
+  }
+  float mass = group_sum(above, tmp);
+  const float n_tied = group_sum(tied, tmp), weight = exp(group_max(at, tmp) - m);
+  float taken = 0.0f;
+  for (; taken < n_tied && (taken == 0.0f || mass < target); taken += 1.0f) mass += weight;
+  int lo = 0, hi = vocab;   // the smallest id bound below which `taken` tied tokens lie
+  while (taken < n_tied && lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    float below = 0.0f;
+    for (int i = get_local_id(0); i < mid; i += WG) below += order_key(row[i]) == key ? 1.0f : 0.0f;
+    if (group_sum(below, tmp) >= taken) hi = mid; else lo = mid + 1;
+  }
+  const int bound = taken < n_tied ? lo : vocab;
   barrier(CLK_GLOBAL_MEM_FENCE);
-  for (int i = get_local_id(0); i < vocab; i += WG) dst[i] = order_key(row[i]) >= key ? row[i] : -INFINITY;
+  for (int i = get_local_id(0); i < vocab; i += WG) {
+    const uint k = order_key(row[i]);
+    dst[i] = k > key || (k == key && i < bound) ? row[i] : -INFINITY;
+  }
 }
 
 __kernel void min_p(__global float* out, __global const float* logits, __global const float* temp,

@@ -53,7 +53,7 @@ def run_both(gpu, group: FusedGroup, weights: dict, inputs: list[np.ndarray], st
 
 def assert_same(gpu, node: ir.Node, weights: dict, inputs: list[np.ndarray], step: ir.Step, tol: float = 1e-5):
     ((got,),), ((want,),) = run_both(gpu, node_group(node), weights, inputs, [step])
-    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=node.op)
     return got
 
 
@@ -187,9 +187,15 @@ def test_sample_draws_the_interpreters_token(gpu, seed):
     logits = logits_rows(n) / 2
     logits[1, 2000:] = -np.inf      # a truncated row
     step = sampling_step(temperature=[0.0, 0.8, 1.0, 0.0, 1.5, 1.0], uniform=draw.random(n))
-    tokens = assert_same(gpu, ir.Node("sample", ("logits",), "next_tokens"), {}, [logits], step)
+    ((tokens,),), ((want,),) = run_both(gpu, node_group(ir.Node("sample", ("logits",), "next_tokens")), {},
+                                        [logits], [step])
     assert tokens[0] == 17 and tokens[3] == 17   # greedy rows
     assert tokens[1] < 2000
+    for row, u, got, expected in zip(logits, step.sampling.uniform, tokens, want):
+        if got != expected:   # only a draw within float32 rounding of the two tokens' boundary may differ
+            cumulative = np.cumsum(np.exp(row.astype(np.float64) - row.max()))
+            boundary = cumulative[min(got, expected)]
+            assert abs(boundary - u * cumulative[-1]) <= 1e-5 * cumulative[-1], (got, expected)
 
 
 @pytest.mark.parametrize("arch,matrix_type", [("llama", None), ("qwen2", None), ("qwen3", None),
@@ -211,11 +217,11 @@ def test_tiny_model_logits_and_greedy_ids_match_the_interpreter(tiny_checkpoint,
         assert got.next_tokens.tolist() == want.next_tokens.tolist()
         return want.next_tokens.tolist()
 
-    # the prompt in two chunks in slot 2; then its decode batched with the same prompt whole in slot 0
+    # the prompt in two chunks in slot 2; then its decode batched with the same prompt whole in slot 0 (the
+    # two slots may part on a near-tie of the random weights, as they do on the interpreter: each is checked)
     check(make_step([(2, prompt[:7], 0)]))
     (a,) = check(make_step([(2, prompt[7:], 7)]))
     a, b = check(make_step([(2, [a], n), (0, prompt, 0)]))
-    assert a == b
     for i in range(1, 8):
         a, b = check(make_step([(2, [a], n + i), (0, [b], n + i - 1)]))
     gpu.close()
