@@ -71,6 +71,7 @@ class JitDevice(Device):
     def compile(self, group: FusedGroup, weights: Mapping[str, Any], ctx: CompileContext) -> Kernel | str:
         if group.sampling_op is not None:
             return _sampling_kernel(group, ctx)
+        program.second_compile()   # a cold cache: the program kernels' share of a second process starts now
         if codegen.unsupported(group) is None:
             fused = codegen.compile_elementwise(group)
             instructions = [Instruction(FUSED, group.outputs, group.inputs, (fused,))]

@@ -106,7 +106,7 @@ COMPILED: list[Compiled] = []
 
 def _name(dispatcher) -> str | None:
     """A dispatcher's name relative to this package (generated sources: ``fused``), or None for another's."""
-    module, qualname = dispatcher.py_func.__module__, dispatcher.py_func.__qualname__
+    module, qualname = dispatcher.py_func.__module__ or "", dispatcher.py_func.__qualname__   # exec'd code: None
     if module.startswith(__package__ + "."):
         return f"{module.removeprefix(__package__ + '.')}.{qualname}"
     if module.startswith("lse_jit_fused_"):   # codegen's generated elementwise functions

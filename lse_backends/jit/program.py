@@ -63,11 +63,14 @@ _LINEAR_PAIRS = types.FunctionType(types.UniTuple(_INT, 2)(
 _STORE_KV = types.FunctionType(types.void(_ACT, _ACT, _CACHE, _CACHE, _INT, _INT, _STEP, _INDICES, _INT, _INT))
 _ATTENTION = types.FunctionType(types.void(
     _ACT, _CACHE, _CACHE, _INT, _INT, _STEP, _INDICES, _INT, types.float32, _INT, _ACT, _INT, _INT))
+_LISTS = [types.ListType(_LIST_TYPES[kind]) for kind in ("acts", "flats", "mats", "qmats", "vecs", "caches", "fns")]
+_RUN = types.FunctionType(types.void(
+    types.int64[::1], *[_INT] * 4, types.float32, *_LISTS, _STEP, _STEP, _INDICES, _STEP, types.float32[::1],
+    types.boolean, _LINEAR_PAIRS, _STORE_KV, _ATTENTION))
 _WORK_SIGNATURE = types.void(
-    types.int64[:, ::1], types.float32[:, ::1], *[types.ListType(_LIST_TYPES[kind]) for kind in ("acts", "flats")],
-    _INDICES, *[types.ListType(_LIST_TYPES[kind]) for kind in ("mats", "qmats", "vecs", "caches", "fns")],
+    types.int64[:, ::1], types.float32[:, ::1], *_LISTS[:2], _INDICES, *_LISTS[2:],
     _STEP, _STEP, _INDICES, _STEP, _INDICES, types.int64, types.int64, types.boolean,
-    _LINEAR_PAIRS, _STORE_KV, _ATTENTION)
+    _RUN, _LINEAR_PAIRS, _STORE_KV, _ATTENTION)
 
 
 # only the thread loop becomes parallel code: numba's other parallel rewrites (array expressions, slices)
@@ -172,7 +175,7 @@ def _items(c, phase, n, acts, mats, qmats, caches, n_threads):
     return min(most, (items + n_threads - 1) // n_threads * n_threads)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)  # called by _work through a pointer (``compiled_kernels()``)
 def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, caches, fns, tokens, positions,
          row_slot, sample_rows, scratch, row_invariant, linear_pairs, store_kv, attention):
     """Work item ``item`` of ``n_items`` of instruction ``c``'s phase, on n rows; the largest kernels are
@@ -230,7 +233,7 @@ def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, cac
 
 @njit(cache=True, nogil=True)  # compiled by compiled_kernels(), when a program first runs: not at every import
 def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tokens, positions, row_slot,
-          sample_rows, counters, n_threads, thread, row_invariant, linear_pairs, store_kv, attention):
+          sample_rows, counters, n_threads, thread, row_invariant, run, linear_pairs, store_kv, attention):
     """Thread ``thread``'s part. Each task (an instruction, or one of its phases) starts once the one
     before it is done. A task of one item is thread 0's: the other threads go on to the next task of
     several, so a chain of small ops costs them one wait, not one each. The items of a task of several
@@ -260,7 +263,7 @@ def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tok
                         if c[0] == LINEAR_Q and quantized_for != k:  # once per instruction and thread
                             quant.quantize_activations(c[ARG + 1], acts[c[IN]][:n], scratch, row_invariant)
                             quantized_for = k
-                        _run(c, phase, item, n_items, n, floats[k, 0], acts, flats, mats, qmats, vecs, caches, fns,
+                        run(c, phase, item, n_items, n, floats[k, 0], acts, flats, mats, qmats, vecs, caches, fns,
                              tokens, positions, row_slot, sample_rows, scratch, row_invariant, linear_pairs, store_kv,
                              attention)
                         atomics.fetch_add(counters, done, 1)  # after the item's writes: whoever sees it sees them
@@ -291,15 +294,19 @@ def execute(kernels, code, floats, acts, flats, rows, mats, qmats, vecs, caches,
     for thread in prange(n_threads):  # np.int64: numba types the index unsigned when it lowers the loop
         kernels[0][0](code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tokens, positions,
                       row_slot, sample_rows, counters, n_threads, np.int64(thread), row_invariant, kernels[1][0],
-                      kernels[2][0], kernels[3][0])
+                      kernels[2][0], kernels[3][0], kernels[4][0])
 
 
 # name -> (function, its type as execute passes it), in execute's order
-_KERNELS = {"work": (_work, types.FunctionType(_WORK_SIGNATURE)), "linear_pairs": (quant.linear_pairs, _LINEAR_PAIRS),
-            "store_kv": (attention.store_kv, _STORE_KV), "attention": (attention.attention, _ATTENTION)}
-# What a second process compiles on a cold start while this one compiles the rest: about half the CPU time
-# (measured on the 2-core Zen 3: linear_pairs 8 s, store_kv 6 s, against _work 17 s and attention 9 s)
-SECOND_PROCESS = ("linear_pairs", "store_kv")
+_KERNELS = {"work": (_work, types.FunctionType(_WORK_SIGNATURE)), "run": (_run, _RUN),
+            "linear_pairs": (quant.linear_pairs, _LINEAR_PAIRS), "store_kv": (attention.store_kv, _STORE_KV),
+            "attention": (attention.attention, _ATTENTION)}
+# The kernels a second process compiles on a cold start (``compile_second_share``), with the code their
+# types alone decide, while this one compiles the rest: about half the CPU time (measured cold, one process,
+# on the 2-core Zen 3: _work 3.3 s, _run 5.2, store_kv 3.7 and _listed 2.1 here; linear_pairs 4.2,
+# attention 4.7, the typed lists' builders 2.7 and execute 2.1 there, which starts earlier)
+SECOND_PROCESS = ("linear_pairs", "attention")
+SECOND_SHARE = ", ".join(SECOND_PROCESS) + " and execute"   # as the log lines name it
 
 
 @njit(cache=True)
@@ -310,13 +317,17 @@ def _one(function):
 
 
 _LISTED = types.Tuple([types.ListType(t) for _, t in _KERNELS.values()])(*[t for _, t in _KERNELS.values()])
+_EXECUTE_SIGNATURE = (_LISTED.return_type, types.int64[:, ::1], types.float32[:, ::1],
+                      *[types.ListType(_LIST_TYPES[kind]) for kind in ("acts", "flats")], _INDICES,
+                      *[types.ListType(_LIST_TYPES[kind]) for kind in ("mats", "qmats", "vecs", "caches", "fns")],
+                      *[_STEP] * 5, _INDICES, types.int64, types.boolean)
 
 
 @njit(cache=True)  # for _LISTED only, by compiled_kernels(): not at every import (2 s on a cold cache)
-def _listed(work, linear_pairs, store_kv, attention):
+def _listed(work, run, linear_pairs, store_kv, attention):
     """Each function as a typed list of one (built in compiled code, so their methods are cached, not
     compiled per process)."""
-    return _one(work), _one(linear_pairs), _one(store_kv), _one(attention)
+    return _one(work), _one(run), _one(linear_pairs), _one(store_kv), _one(attention)
 
 
 def compile_kernels(names: Sequence[str]) -> None:
@@ -326,34 +337,43 @@ def compile_kernels(names: Sequence[str]) -> None:
         function.compile(kind.signature)
 
 
+def compile_second_share() -> None:
+    """What the second process compiles: SECOND_PROCESS's kernels, then the code that only their types
+    decide (the typed lists' builders, ``_listed``, ``execute``), all of it loaded from the cache here later."""
+    compile_kernels(SECOND_PROCESS)
+    for element in _LIST_TYPES.values():
+        if isinstance(element, types.Array):
+            _array_list.compile((types.List(element, reflected=True), types.int64))
+    execute.compile(_EXECUTE_SIGNATURE)
+
+
 @functools.cache
 def second_compile() -> cache.CompileBeside | None:
-    """SECOND_PROCESS's kernels compiling in a second process, started where the disk cache lacks them; None
-    where it has them. (Started while the model loads, it competed with the load for the two cores and the
-    first answer came later.)"""
+    """The second process's share compiling (``compile_second_share``), started where the disk cache lacks
+    SECOND_PROCESS's kernels; None where it has them. jit:0 starts it at its first group's compile, while
+    this process lays out the weights and compiles the elementwise groups: the two shares then end together."""
     if all(cache.is_cached(function, kind.signature) for function, kind in (_KERNELS[n] for n in SECOND_PROCESS)):
         return None
-    return cache.compile_beside(f"from {__name__} import compile_kernels; compile_kernels({SECOND_PROCESS!r})",
-                                ", ".join(SECOND_PROCESS))
+    return cache.compile_beside(f"from {__name__} import compile_second_share; compile_second_share()", SECOND_SHARE)
 
 
 @functools.cache
 def compiled_kernels() -> tuple[typed.List, ...]:
-    """[_work], [quant.linear_pairs], [attention.store_kv], [attention.attention] as ``execute`` calls them:
-    through function pointers. numba links a callee's code into its caller's and optimizes and emits the
+    """[_work], [_run], [quant.linear_pairs], [attention.store_kv], [attention.attention] as ``execute`` calls
+    them: through function pointers. numba links a callee's code into its caller's and optimizes and emits the
     whole again, at every level of calls; through a pointer each of these compiles once, on its own: execute
     in 2 s instead of re-optimizing all of _work in it (25 s of a cold start), and _work without the largest
-    kernels in it (CPU time of the cold compile 42 -> 31 s on the 2-core Zen 3). Being apart, they compile in
+    kernels in it (CPU time of the cold compile 42 -> 28 s on the 2-core Zen 3). Being apart, they compile in
     two processes at once (``second_compile``). Passed in lists: a function argument is looked up at every
     call (1 ms here). They compile here (or load from the cache), when a program first runs, so that a
     process that imports the jit backend but runs nothing on jit:0 (another pool) does not compile its
     half-minute of kernels."""
     beside = second_compile()
     compile_kernels([name for name in _KERNELS if name not in SECOND_PROCESS])
+    _listed.compile(_LISTED)
     if beside is not None:
         beside.join()
     compile_kernels(SECOND_PROCESS)   # loads what the second process compiled (or, should it have failed, compiles)
-    _listed.compile(_LISTED)
     _listed.disable_compile()   # as an explicit signature would: the functions convert to their types
     return _listed(*(function for function, _ in _KERNELS.values()))
 
