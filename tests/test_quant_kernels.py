@@ -5,6 +5,7 @@ host has (AVX2 and the portable IR too on a VNNI host) in a fresh process."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -311,6 +312,31 @@ def test_every_instruction_set_the_host_has_gives_the_same_floats(tmp_path, isa)
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True, timeout=600)
     for (qtype, tokens), out in expected.items():
         np.testing.assert_array_equal(np.load(tmp_path / f"{qtype}.{tokens}.npy"), out)
+
+
+def test_the_disk_cache_keeps_each_instruction_sets_code_apart(tmp_path):
+    """Code compiled for one instruction set is never loaded for another (LSE_JIT_ISA) from a shared cache:
+    a process asking for the portable IR compiles its own, and each set's entries stay for the next run."""
+    script = (
+        "import json, numpy as np\n"
+        "from lse_backends.jit import cache, quant\n"
+        "scratch = quant.activation_scratch(1, 256)\n"
+        "quant.quantize_activations(quant.Q4_0, np.ones((1, 256), np.float32), scratch)\n"
+        "print(json.dumps([c.name for c in cache.COMPILED]))\n"
+    )
+
+    def compiled(**env: str) -> list[str]:
+        environ = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), PYTHONPATH=str(Path(__file__).parents[1]), **env)
+        environ.pop("LSE_JIT_ISA", None)
+        result = subprocess.run([sys.executable, "-c", script], env=environ | env, capture_output=True, text=True,
+                                check=True, timeout=600)
+        return json.loads(result.stdout.splitlines()[-1])
+
+    assert "quant.quantize_activations" in compiled()
+    assert "quant.quantize_activations" in compiled(LSE_JIT_ISA="portable")
+    assert compiled() == [] and compiled(LSE_JIT_ISA="portable") == []
+    names = {path.name for path in tmp_path.rglob("*.nbi")}
+    assert any("-portable." in name for name in names) and any(f"-{vector.ISA}." in name for name in names)
 
 
 def test_the_instruction_set_is_the_best_the_features_allow_or_the_one_asked_for():

@@ -38,6 +38,8 @@ from tqdm import tqdm
 
 from lse_core.devices.host_memory import libc_function
 
+from . import vector
+
 _CacheImpl = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # renamed in numba 0.6x
 
 PACKAGE = Path(__file__).resolve().parent
@@ -65,7 +67,8 @@ def _hash(files: tuple[tuple[Path, int, int], ...]) -> str:
 
 class PackageLocator(_CacheLocator):
     """The locator numba would choose for a file (``inner``: where the cache lives, which function is
-    which), stamped with that file's own stamp and the package's."""
+    which), stamped with that file's own stamp and the package's, its entries named apart per instruction
+    set (``vector.ISA``)."""
 
     def __init__(self, inner: _CacheLocator) -> None:
         self.inner = inner
@@ -80,7 +83,8 @@ class PackageLocator(_CacheLocator):
         return self.inner.get_source_stamp(), package_stamp()
 
     def get_disambiguator(self) -> str:
-        return self.inner.get_disambiguator()
+        # numba keys machine code by the host CPU; the kernels' instruction set can be another (LSE_JIT_ISA)
+        return f"{self.inner.get_disambiguator()}-{vector.ISA}"
 
     @classmethod
     def from_function(cls, py_func: Callable, py_file: str) -> PackageLocator | None:

@@ -6,8 +6,8 @@ Loads and stores are unaligned: numba arrays promise no alignment.
 The instruction set the kernels are written for (``ISA``) is chosen once, at import, from the host CPU's
 features as LLVM reports them (``select_isa``): AVX-512 VNNI or AVX-VNNI (vpdpbusd), AVX2 (pmaddubsw and
 pmaddwd, vcvtph2ps) or portable integer vector IR any LLVM target lowers. ``LSE_JIT_ISA`` asks for one of
-them (one the host has: a VNNI instruction on a CPU without it would not even compile). numba's cache is keyed
-by the host CPU, not by LSE_JIT_ISA: use a fresh NUMBA_CACHE_DIR when setting it."""
+them (one the host has: a VNNI instruction on a CPU without it would not even compile); the disk cache keeps
+each instruction set's code apart (cache.PackageLocator)."""
 
 from __future__ import annotations
 
