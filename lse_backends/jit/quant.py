@@ -9,19 +9,21 @@ default model's answer to README's question flips (``_planes``). Steps of up to 
 (decode) take one-plane int8 activations where they meet Q4 (and Q5_0) weights, the nibbles multiplying the
 activation bytes in 16-bit integer lanes (SmolLM2's whole step at 8 and 16 sequences was 1.17x and 1.13x
 faster than through float32 panels), and float32 ones elsewhere.
-Q4_K is read as Q4_1 blocks whose d and m are float32 (``_from_q4_k``: the same values, 0.75 bytes each),
-Q6_K as Q8_0 blocks with a float32 d for each half (``_from_q6_k``, 1.25 bytes each), Q5_K as Q8_0 blocks
-with a float32 d and m (``_from_q5_k``, 1.25 bytes each): on SmolLM2-shaped layers, one thread, a decode
-token 4.7x (Q4_K), 2.6x (Q6_K) and 2.5x (Q5_K) faster than through the float32 copy they used to be decoded
-to. Q5_0 is read in place, as Q4_0 with the fifth bits ORed into the nibbles' bytes (22 bytes a block: it
-used to be read as 34-byte Q8_0 blocks), Q5_1 as Q5_K's.
+Q4_K is read as Q4_1 blocks whose d and m are d sc and -dmin m (``_from_q4_k``: the same values, 0.6875
+bytes each), Q6_K as Q8_0 blocks with a d sc for each half (``_from_q6_k``, 1.125 bytes each), Q5_K as Q8_0
+blocks with a d and an m (``_from_q5_k``, 1.1875 bytes each), each of those scales stored as the super-block's
+f16 field and the block's int8 multiplier (LAYOUT), multiplied in the tiles: on SmolLM2-shaped layers, one
+thread, a decode token 4.7x (Q4_K), 2.6x (Q6_K) and 2.5x (Q5_K) faster than through the float32 copy they
+used to be decoded to (measured when the scales were float32, 0.75 and 1.25 bytes a value). Q5_0 is read in
+place, as Q4_0 with the fifth bits ORed into the nibbles' bytes (22 bytes a block: it used to be read as
+34-byte Q8_0 blocks), Q5_1 as Q5_K's.
 The jit device decodes other GGUF types (Q2_K, Q3_K...) exactly to float32 once at load.
 
 Layout. ``prepare`` re-lays a weight once at load into a new array of the same shape and bytes (the K types
 and Q5_1: of their conversion's): rows go in groups of GROUP = 8, and block b of a group's rows is stored as
-one group block: the eight rows' scales d (f16; float32 for the converted types), then, where the type has
-them, their eight mins m (Q6_K: the second half's d; Q5_0: the fifth bits, two 16-bit fields a row), then
-the quant bytes with byte j of every row together
+one group block: the eight rows' scales d (f16; for the converted types, f16 fields and then int8
+multipliers: LAYOUT), then, where the type has them, their eight mins m (Q6_K: the second half's d; Q5_0:
+the fifth bits, two 16-bit fields a row), then the quant bytes with byte j of every row together
 (byte j of row r at ``8 * j + r``). A Q4 byte j holds elements j (low nibble) and j + 16 (high nibble);
 Q8_0 byte j is element j. One 8-byte load widened to eight int32 lanes is thus one element of eight
 rows, one vcvtph2ps converts eight rows' scales, and each vector lane belongs to one row: no horizontal
@@ -115,13 +117,16 @@ from .vector import (
 Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, Q5_0 = 0, 1, 2, 3, 4, 5, 6
 KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K, "Q5_K": Q5_K, "Q5_0": Q5_0,
          "Q5_1": Q5_K}   # read as Q5_K's blocks: _from_q5_1
-# LAYOUT[kind] = (bytes per 32-value block, bytes of its header: d, or d and m, bytes of one header field: 2
-# for f16, 4 for float32); a tuple numba reads too. Q4_K is laid out as Q4_1 blocks whose d and m are float32
-# (_from_q4_k); Q6_K as Q8_0 blocks with a float32 d for each half of the block, d and d2 (_from_q6_k); Q5_K
-# as Q8_0 blocks with a float32 d and m, each value d q + m (_from_q5_k). Q5_0 is read as GGUF stores it, d
-# and 4 bytes of fifth bits, then the nibbles; in a group block the fifth bits are rearranged to be cheap
-# to apply (_q5_0_fifth_bits).
-LAYOUT = ((18, 2, 2), (20, 4, 2), (34, 2, 2), (24, 8, 4), (40, 8, 4), (40, 8, 4), (22, 6, 2))
+# LAYOUT[kind] = (bytes per 32-value block, bytes of its header: d, or d and m, bytes of one f16 header
+# field); a tuple numba reads too. The converted kinds' headers are f16 fields and then MULTIPLIERS[kind]
+# int8 multipliers, header value i being f16 field min(i, fields - 1) times multiplier i, as GGUF's K types
+# store d sc and dmin m (exact in float32: 11 + 8 significant bits): Q4_K is laid out as Q4_1 blocks whose d
+# and m are d sc and -dmin m (_from_q4_k); Q6_K as Q8_0 blocks with a d for each half of the block, d sc0 and
+# d sc1 (_from_q6_k); Q5_K as Q8_0 blocks with a d and an m, each value d q + m (_from_q5_k). Q5_0 is read
+# as GGUF stores it, d and 4 bytes of fifth bits, then the nibbles; in a group block the fifth bits are
+# rearranged to be cheap to apply (_q5_0_fifth_bits).
+LAYOUT = ((18, 2, 2), (20, 4, 2), (34, 2, 2), (22, 6, 2), (36, 4, 2), (38, 6, 2), (22, 6, 2))
+MULTIPLIERS = (0, 0, 0, 2, 2, 2, 0)
 GROUP = LANES  # rows per group: one vector lane each
 # Decoding outruns one core's stream of weights from memory; prefetching this far ahead in each row group's
 # stream made one thread's 210 layer GEMVs of SmolLM2 1.5x faster here (5.7 to 46 KB measured alike).
@@ -142,13 +147,24 @@ def _halves_to_floats(builder: ir.IRBuilder, halves: ir.Value) -> ir.Value:
     return builder.bitcast(builder.or_(value, sign), v8f32)
 
 
-def _scales(builder: ir.IRBuilder, at: ir.Value, kind: int) -> ir.Value:
-    """The group's eight scales (or mins) at byte pointer ``at`` as <8 x float>, from f16 or float32."""
-    if LAYOUT[kind][2] == 4:
-        return load(builder, at, 0, v8f32)
+def _halves(builder: ir.IRBuilder, at: ir.Value) -> ir.Value:
+    """Eight f16 values at byte pointer ``at`` as <8 x float>."""
     if AVX2:
         return builder.fpext(load(builder, at, 0, v8f16), v8f32)
     return _halves_to_floats(builder, load(builder, at, 0, v8i16))
+
+
+def _scales(builder: ir.IRBuilder, block: ir.Value, kind: int, index: int) -> ir.Value:
+    """Header value ``index`` (d; then m, or Q6_K's second d) of the group block at byte pointer ``block``,
+    the group's eight rows' as <8 x float>: an f16 field, or for the converted kinds an f16 field times an
+    int8 multiplier (see LAYOUT)."""
+    multipliers = MULTIPLIERS[kind]
+    if not multipliers:
+        return _halves(builder, builder.gep(block, [integer(GROUP * 2 * index)]))
+    fields = (LAYOUT[kind][1] - multipliers) // 2
+    field = _halves(builder, builder.gep(block, [integer(GROUP * 2 * min(index, fields - 1))]))
+    multiplier = load(builder, block, GROUP * (2 * fields + index), v8i8)
+    return builder.fmul(field, builder.sitofp(builder.sext(multiplier, v8i32), v8f32))
 
 
 def _quants(builder: ir.IRBuilder, quants: ir.Value) -> Iterator[tuple[int, ir.Value]]:
@@ -173,8 +189,8 @@ def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
     Q5_K, whose values are d q + m): out[t + c, rows of group g] for c < n_tokens, over float32 activations.
     Group and token indices past g_last and x's last row are clamped to them: the clamped tile recomputes
     and rewrites the same values, so any remainder can use it."""
-    block_bytes, header_bytes, field = LAYOUT[kind]
-    group_block, second = GROUP * block_bytes, GROUP * field   # the group's second header field follows its d
+    block_bytes, header_bytes, _ = LAYOUT[kind]
+    group_block = GROUP * block_bytes
     span = BLOCK // 2 if kind == Q6_K else BLOCK   # the elements each scale covers
     one_token = n_tokens == 1
 
@@ -212,12 +228,10 @@ def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
 
                 block = builder.gep(weights, [builder.mul(b, integer(group_block))])
                 _prefetch_ahead(builder, block, group_block)
-                scales = [_scales(builder, builder.gep(block, [integer(second * h)]), kind)
-                          for h in range(BLOCK // span)]
+                scales = [_scales(builder, block, kind, h) for h in range(BLOCK // span)]
                 quants = _quants(builder, builder.gep(block, [integer(GROUP * header_bytes)]))
                 if kind == Q5_K:  # w_i = d q_i + m, decoded once a block for every token, as consumed
-                    quants = _with_min(builder, quants, scales[0],
-                                       _scales(builder, builder.gep(block, [integer(second)]), kind))
+                    quants = _with_min(builder, quants, scales[0], _scales(builder, block, kind, 1))
                     scales = [vector(1.0)]
                 if one_token:  # acc += d * sum_i q_i x_i, for each span of the block and its d
                     partials = [[None] * n_chains for _ in scales]
@@ -367,8 +381,8 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
     shifted by PLANE_SCALE's bits and added), then acc += d xs dot, plus the offset term m xs sum(xq) (Q4_1,
     Q4_K, Q5_K) or o d xs sum(xq) (OFFSET: Q4_0, Q5_0), x @ W.T for x = xs * xq. Signed weights (Q8_0,
     Q6_K) multiply as |w| times x with w's sign."""
-    block_bytes, header_bytes, field = LAYOUT[kind]
-    group_block, second = GROUP * block_bytes, GROUP * field
+    block_bytes, header_bytes, _ = LAYOUT[kind]
+    group_block = GROUP * block_bytes
     nibbles, signed = kind in (Q4_0, Q4_1, Q4_K, Q5_0), kind in (Q8_0, Q6_K)
     loads = BLOCK // 2 // 4 if nibbles else BLOCK // 4   # 32-byte loads of a group block's quants
     # Without VNNI, each (group, token)'s pmaddubsw results add up in 16-bit lanes, pair_sums of them
@@ -459,9 +473,8 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
                     else:
                         dots = dots[0]
                     for k, block in enumerate(blocks):
-                        d = _scales(builder, builder.gep(block, [integer(second * span)]), kind)
-                        m = (_scales(builder, builder.gep(block, [integer(second)]), kind)
-                             if kind in (Q4_1, Q4_K, Q5_K) else None)
+                        d = _scales(builder, block, kind, span)
+                        m = _scales(builder, block, kind, 1) if kind in (Q4_1, Q4_K, Q5_K) else None
                         for c in range(n_tokens):
                             dot, acc = builder.sitofp(dots[k][c], v8f32), builder.load(accs[k][c])
                             if m is not None:  # acc += d xs dot + m xs sum(xq)
@@ -492,8 +505,8 @@ def _make_unpack(kind: int, n_groups: int):
     """An intrinsic ``unpack(w, g, g_last, panel)``: row groups g + k, k < n_groups (clamped to g_last),
     decoded to float32, panel[i, 8 k + r] = W[8 (g + k) + r, i], each w = d q + m (Q8_0: no m; Q6_K: m is
     the second half's d)."""
-    block_bytes, header_bytes, field = LAYOUT[kind]
-    group_block, mins = GROUP * block_bytes, GROUP * field
+    block_bytes, header_bytes, _ = LAYOUT[kind]
+    group_block = GROUP * block_bytes
 
     @intrinsic
     def unpack(typingctx, w, g, g_last, panel):
@@ -512,8 +525,8 @@ def _make_unpack(kind: int, n_groups: int):
                 for k, w_k in enumerate(weights):
                     block = builder.gep(w_k, [builder.mul(b, integer(group_block))])
                     _prefetch_ahead(builder, block, group_block)
-                    d = _scales(builder, block, kind)
-                    m = _scales(builder, builder.gep(block, [integer(mins)]), kind) if header_bytes > field else None
+                    d = _scales(builder, block, kind, 0)
+                    m = _scales(builder, block, kind, 1) if kind != Q8_0 else None
                     for i, q in _quants(builder, builder.gep(block, [integer(GROUP * header_bytes)])):
                         if kind == Q6_K:   # m is the second half's d
                             value = builder.fmul(q, d if i < BLOCK // 2 else m)
@@ -915,6 +928,18 @@ def _field(flat, at, size):
     return _ieee(bits, 23, 8) if size == 4 else _ieee(bits, 10, 5)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _header_value(flat, at, size, lane, kind, index):
+    """Header value ``index`` of row ``lane`` of a group block at byte ``at`` of ``size`` rows (a kernel's
+    ``_scales``): an f16 field, or for the converted kinds an f16 field times an int8 multiplier."""
+    multipliers = MULTIPLIERS[kind]
+    if multipliers == 0:
+        return _field(flat, at + 2 * (size * index + lane), 2)
+    fields = (LAYOUT[kind][1] - multipliers) // 2
+    field = _field(flat, at + 2 * (size * min(index, fields - 1) + lane), 2)
+    return field * np.float32(np.int8(flat[at + size * (2 * fields + index) + lane]))
+
+
 @njit(cache=True, nogil=True)
 def _dequantize_row(kind, blocks, row, y):
     """y[:] = row ``row`` of the weight laid out by ``prepare``, dequantized as gguf does."""
@@ -928,13 +953,13 @@ def _dequantize_row(kind, blocks, row, y):
     lane = row - first
     for b in range(row_bytes // block_bytes):
         at = first * row_bytes + b * size * block_bytes
-        d = _field(flat, at + field * lane, field)
+        d = _header_value(flat, at, size, lane, kind, 0)
         quants = at + header_bytes * size + lane
         if kind == Q8_0:
             for i in range(BLOCK):
                 y[b * BLOCK + i] = d * np.float32(np.int8(flat[quants + i * size]))
             continue
-        m = _field(flat, at + field * (size + lane), field)  # Q4_0: a quant byte, unused; Q6_K: d2; Q5_0: qh
+        m = _header_value(flat, at, size, lane, kind, 1)  # Q4_0: a quant byte, unused; Q6_K: d2; Q5_0: qh
         if kind == Q6_K or kind == Q5_K:
             for i in range(BLOCK):
                 q = np.float32(np.int8(flat[quants + i * size]))
@@ -976,11 +1001,12 @@ def _interleave(data: np.ndarray, kind: int) -> np.ndarray:
     block_bytes, header_bytes, field = LAYOUT[kind]
     n_groups, n_blocks = data.shape[0] // GROUP, data.shape[1] // block_bytes
     blocks = data.reshape(n_groups, GROUP, n_blocks, block_bytes)
-    headers = blocks[..., :header_bytes].reshape(n_groups, GROUP, n_blocks, header_bytes // field, field)
-    headers = headers.transpose(0, 2, 3, 1, 4)  # [group, block, d or m, row, byte]
-    quants = blocks[..., header_bytes:].transpose(0, 2, 3, 1)  # [group, block, byte, row]
-    grouped = np.concatenate([headers.reshape(n_groups, n_blocks, -1), quants.reshape(n_groups, n_blocks, -1)],
-                             axis=2)
+    fields_end = header_bytes - MULTIPLIERS[kind]
+    parts = []   # each [group, block, field, row, byte]: the f16 fields, the int8 multipliers, the quants
+    for start, end, size in ((0, fields_end, field), (fields_end, header_bytes, 1), (header_bytes, block_bytes, 1)):
+        part = blocks[..., start:end].reshape(n_groups, GROUP, n_blocks, (end - start) // size, size)
+        parts.append(part.transpose(0, 2, 3, 1, 4).reshape(n_groups, n_blocks, -1))
+    grouped = np.concatenate(parts, axis=2)
     if kind == Q5_0:
         grouped[..., GROUP * field:GROUP * header_bytes] = _q5_0_fifth_bits(blocks)
     return grouped.reshape(data.shape)
@@ -1006,62 +1032,68 @@ def _super_blocks(data: np.ndarray, qtype: str, size: int) -> np.ndarray:
     return data.reshape(-1, size)
 
 
-def _k_scales(super_blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K's and Q5_K's d sc and -dmin m for each 32 values, [n, 8] float32: exact (11 + 6 significant bits)."""
-    d, dmin = (super_blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))
+def _k_scales(super_blocks: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Q4_K's and Q5_K's header per 32 values (``_k_blocks``): f16 fields d and -dmin, multipliers sc and m
+    ([n, 8] each), for d sc and -dmin m."""
+    d, dmin = (super_blocks[:, at:at + 2].copy().view(np.float16) for at in (0, 2))
     sc, m = gguf_quants.Q4_K.get_scale_min(super_blocks[:, 4:16])
-    return d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+    return [np.repeat(d, 8, axis=1), np.repeat(-dmin, 8, axis=1)], [sc, m]   # the fields for each of 8 blocks
 
 
-def _wide_blocks(rows: int, first: np.ndarray, second: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Blocks of two float32 header fields (d, then m or a second d) and the block's value bytes, as
-    [rows, bytes]: ``first`` and ``second`` hold a field per block, ``values`` the blocks' bytes."""
+def _k_blocks(rows: int, fields: list[np.ndarray], multipliers: list[np.ndarray], values: np.ndarray) -> np.ndarray:
+    """Blocks of a converted kind (LAYOUT): f16 header fields, int8 multipliers, then the block's value bytes,
+    as [rows, bytes]; ``fields`` and ``multipliers`` hold one of each per block, ``values`` the blocks' bytes."""
     values = values.reshape(-1, values.shape[-1])
-    out = np.empty((values.shape[0], 8 + values.shape[1]), np.uint8)
-    out[:, 0:4] = first.astype("<f4").reshape(-1, 1).view(np.uint8)
-    out[:, 4:8] = second.astype("<f4").reshape(-1, 1).view(np.uint8)
-    out[:, 8:] = values
+    header = 2 * len(fields) + len(multipliers)
+    out = np.empty((values.shape[0], header + values.shape[1]), np.uint8)
+    for i, field in enumerate(fields):
+        out[:, 2 * i:2 * i + 2] = field.astype("<f2").reshape(-1, 1).view(np.uint8)
+    for i, multiplier in enumerate(multipliers):
+        out[:, 2 * len(fields) + i] = multiplier.astype(np.int8).reshape(-1).view(np.uint8)
+    out[:, header:] = values
     return out.reshape(rows, -1)
 
 
 def _from_q4_k(data: np.ndarray) -> np.ndarray:
-    """Q4_K super-blocks [rows, n / 256 * 144] as Q4_1-style blocks [rows, n / 32 * 24] with float32 d and m.
-    A Q4_K value is d sc q - dmin m for 6-bit sc and m per 32 values, so this is the same weight, not a
-    requantization: 0.75 bytes a value instead of 0.5625, and the Q4_1 tiles read it."""
+    """Q4_K super-blocks [rows, n / 256 * 144] as Q4_1-style blocks [rows, n / 32 * 22] whose d and m are
+    d sc and -dmin m (``_k_blocks``). A Q4_K value is d sc q - dmin m for 6-bit sc and m per 32 values, so
+    this is the same weight, not a requantization: 0.6875 bytes a value instead of 0.5625 (it was 0.75 with
+    float32 d and m), and the Q4_1 tiles read it."""
     super_blocks = _super_blocks(data, "Q4_K", 144)
     n = super_blocks.shape[0]
     # 32 bytes of quants per pair of sub-blocks: low nibbles the first, high nibbles the second
     values = ((super_blocks[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1))
               & np.uint8(15)).reshape(n, 8, 32)
-    return _wide_blocks(data.shape[0], *_k_scales(super_blocks),
-                        values[..., :16] | (values[..., 16:] << np.uint8(4)))   # Q4_1's byte j: elements j, j + 16
+    return _k_blocks(data.shape[0], *_k_scales(super_blocks),
+                     values[..., :16] | (values[..., 16:] << np.uint8(4)))   # Q4_1's byte j: elements j, j + 16
 
 
 def _from_q5_k(data: np.ndarray) -> np.ndarray:
-    """Q5_K super-blocks [rows, n / 256 * 176] as Q8_0-style blocks [rows, n / 32 * 40] with a float32 d and m
-    and the 5-bit values as bytes: a Q5_K value is d sc q - dmin m, with sc and m as in Q4_K. The same
-    weight at 1.25 bytes a value."""
+    """Q5_K super-blocks [rows, n / 256 * 176] as Q8_0-style blocks [rows, n / 32 * 38] with a d and an m
+    (``_k_scales``) and the 5-bit values as bytes: a Q5_K value is d sc q - dmin m, with sc and m as in Q4_K.
+    The same weight at 1.1875 bytes a value."""
     super_blocks = _super_blocks(data, "Q5_K", 176)
     n = super_blocks.shape[0]
     # low 4 bits: 32 bytes per pair of sub-blocks, low nibbles first; the 5th bit of sub-block j: bit j
     nibbles = (super_blocks[:, 48:].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
     fifth = (super_blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
-    return _wide_blocks(data.shape[0], *_k_scales(super_blocks), nibbles.reshape(n, 8, 32) | (fifth << np.uint8(4)))
+    return _k_blocks(data.shape[0], *_k_scales(super_blocks), nibbles.reshape(n, 8, 32) | (fifth << np.uint8(4)))
 
 
 def _from_q6_k(data: np.ndarray) -> np.ndarray:
-    """Q6_K super-blocks [rows, n / 256 * 210] as Q8_0-style blocks [rows, n / 32 * 40]: a float32 d for each
-    16 values (d * sc, exact: 11 + 8 significant bits) and the 32 values q - 32 as int8, where a Q6_K value
-    is d sc (q - 32). The same weight at 1.25 bytes a value, read by the Q8_0 tiles."""
+    """Q6_K super-blocks [rows, n / 256 * 210] as Q8_0-style blocks [rows, n / 32 * 36]: a d for each 16 values
+    (the f16 d and the int8 sc0 and sc1 of ``_k_blocks``, d sc exact in float32) and the 32 values q - 32 as
+    int8, where a Q6_K value is d sc (q - 32). The same weight at 1.125 bytes a value (it was 1.25 with float32
+    scales), read by the Q8_0 tiles."""
     super_blocks = _super_blocks(data, "Q6_K", 210)
     n = super_blocks.shape[0]
-    scale = (super_blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
-             * super_blocks[:, 192:208].copy().view(np.int8).astype(np.float32))     # [n, 16]
+    d = np.repeat(super_blocks[:, 208:210].copy().view(np.float16), 8, axis=1)   # the super-block's, 8 blocks'
+    sc = super_blocks[:, 192:208].copy().view(np.int8)     # [n, 16]
     # low 4 bits: 64 bytes per 128 values, low nibbles first; high 2 bits: 32 bytes per 128, 2 bits apart
     low = (super_blocks[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
     high = (super_blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
     values = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << np.uint8(4))).astype(np.int8) - np.int8(32)
-    return _wide_blocks(data.shape[0], scale[:, 0::2], scale[:, 1::2], values.view(np.uint8))
+    return _k_blocks(data.shape[0], [d], [sc[:, 0::2], sc[:, 1::2]], values.view(np.uint8))
 
 
 def _five_bits(high: np.ndarray, low: np.ndarray) -> np.ndarray:
@@ -1074,11 +1106,12 @@ def _five_bits(high: np.ndarray, low: np.ndarray) -> np.ndarray:
 
 
 def _from_q5_1(data: np.ndarray) -> np.ndarray:
-    """Q5_1 blocks [rows, n / 32 * 24] as Q5_K's blocks: d and m to float32 (exact), the values q as bytes;
-    a Q5_1 value is d q + m, as Q5_K's are."""
+    """Q5_1 blocks [rows, n / 32 * 24] as Q5_K's blocks: the fields d and m with multipliers 1, the values q
+    as bytes; a Q5_1 value is d q + m, as Q5_K's are."""
     blocks = _super_blocks(data, "Q5_1", 24)
-    d, m = (blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))
-    return _wide_blocks(data.shape[0], d, m, _five_bits(blocks[:, 4:8], blocks[:, 8:]))
+    d, m = (blocks[:, at:at + 2].copy().view(np.float16) for at in (0, 2))
+    one = np.ones(len(blocks), np.int8)
+    return _k_blocks(data.shape[0], [d, m], [one, one], _five_bits(blocks[:, 4:8], blocks[:, 8:]))
 
 
 _CONVERSIONS = {"Q4_K": _from_q4_k, "Q6_K": _from_q6_k, "Q5_K": _from_q5_k, "Q5_1": _from_q5_1}
