@@ -28,7 +28,7 @@ LAYER_SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), 
 
 def synthetic_weight(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> tuple[int, np.ndarray]:
     """Random quants with small, valid f16 scales (and mins) in every block, prepared for ``linear``."""
-    block_bytes, header_bytes, _ = quant.LAYOUT[quant.KINDS[qtype]]
+    block_bytes, header_bytes = quant.LAYOUT[quant.KINDS[qtype]]
     blocks = rng.integers(0, 256, size=(rows, cols // quant.BLOCK, block_bytes), dtype=np.uint8)
     header = rng.uniform(-0.02, 0.02, size=(rows, cols // quant.BLOCK, header_bytes // 2)).astype(np.float16)
     blocks[:, :, :header_bytes] = header.view(np.uint8)

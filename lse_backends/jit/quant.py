@@ -117,15 +117,16 @@ from .vector import (
 Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, Q5_0 = 0, 1, 2, 3, 4, 5, 6
 KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K, "Q5_K": Q5_K, "Q5_0": Q5_0,
          "Q5_1": Q5_K}   # read as Q5_K's blocks: _from_q5_1
-# LAYOUT[kind] = (bytes per 32-value block, bytes of its header: d, or d and m, bytes of one f16 header
-# field); a tuple numba reads too. The converted kinds' headers are f16 fields and then MULTIPLIERS[kind]
+# LAYOUT[kind] = (bytes per 32-value block, bytes of its header: d, or d and m); a tuple numba reads too.
+# Header fields are f16 (FIELD bytes). The converted kinds' headers are f16 fields and then MULTIPLIERS[kind]
 # int8 multipliers, header value i being f16 field min(i, fields - 1) times multiplier i, as GGUF's K types
 # store d sc and dmin m (exact in float32: 11 + 8 significant bits): Q4_K is laid out as Q4_1 blocks whose d
 # and m are d sc and -dmin m (_from_q4_k); Q6_K as Q8_0 blocks with a d for each half of the block, d sc0 and
 # d sc1 (_from_q6_k); Q5_K as Q8_0 blocks with a d and an m, each value d q + m (_from_q5_k). Q5_0 is read
 # as GGUF stores it, d and 4 bytes of fifth bits, then the nibbles; in a group block the fifth bits are
 # rearranged to be cheap to apply (_q5_0_fifth_bits).
-LAYOUT = ((18, 2, 2), (20, 4, 2), (34, 2, 2), (22, 6, 2), (36, 4, 2), (38, 6, 2), (22, 6, 2))
+LAYOUT = ((18, 2), (20, 4), (34, 2), (22, 6), (36, 4), (38, 6), (22, 6))
+FIELD = 2
 MULTIPLIERS = (0, 0, 0, 2, 2, 2, 0)
 GROUP = LANES  # rows per group: one vector lane each
 # Decoding outruns one core's stream of weights from memory; prefetching this far ahead in each row group's
@@ -160,10 +161,10 @@ def _scales(builder: ir.IRBuilder, block: ir.Value, kind: int, index: int) -> ir
     int8 multiplier (see LAYOUT)."""
     multipliers = MULTIPLIERS[kind]
     if not multipliers:
-        return _halves(builder, builder.gep(block, [integer(GROUP * 2 * index)]))
-    fields = (LAYOUT[kind][1] - multipliers) // 2
-    field = _halves(builder, builder.gep(block, [integer(GROUP * 2 * min(index, fields - 1))]))
-    multiplier = load(builder, block, GROUP * (2 * fields + index), v8i8)
+        return _halves(builder, builder.gep(block, [integer(GROUP * FIELD * index)]))
+    fields = (LAYOUT[kind][1] - multipliers) // FIELD
+    field = _halves(builder, builder.gep(block, [integer(GROUP * FIELD * min(index, fields - 1))]))
+    multiplier = load(builder, block, GROUP * (FIELD * fields + index), v8i8)
     return builder.fmul(field, builder.sitofp(builder.sext(multiplier, v8i32), v8f32))
 
 
@@ -189,7 +190,7 @@ def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
     Q5_K, whose values are d q + m): out[t + c, rows of group g] for c < n_tokens, over float32 activations.
     Group and token indices past g_last and x's last row are clamped to them: the clamped tile recomputes
     and rewrites the same values, so any remainder can use it."""
-    block_bytes, header_bytes, _ = LAYOUT[kind]
+    block_bytes, header_bytes = LAYOUT[kind]
     group_block = GROUP * block_bytes
     span = BLOCK // 2 if kind == Q6_K else BLOCK   # the elements each scale covers
     one_token = n_tokens == 1
@@ -276,7 +277,7 @@ def _fifth_bits(builder: ir.IRBuilder, kind: int, block: ir.Value, order: list[i
     None for the other kinds."""
     if kind != Q5_0:
         return None
-    return _shuffled(builder, load(builder, block, GROUP * LAYOUT[Q5_0][2], v32i8), order)
+    return _shuffled(builder, load(builder, block, GROUP * FIELD, v32i8), order)
 
 
 def _nibbles(builder: ir.IRBuilder, kind: int, block: ir.Value, order: list[int], p: int,
@@ -381,7 +382,7 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
     shifted by PLANE_SCALE's bits and added), then acc += d xs dot, plus the offset term m xs sum(xq) (Q4_1,
     Q4_K, Q5_K) or o d xs sum(xq) (OFFSET: Q4_0, Q5_0), x @ W.T for x = xs * xq. Signed weights (Q8_0,
     Q6_K) multiply as |w| times x with w's sign."""
-    block_bytes, header_bytes, _ = LAYOUT[kind]
+    block_bytes, header_bytes = LAYOUT[kind]
     group_block = GROUP * block_bytes
     nibbles, signed = kind in (Q4_0, Q4_1, Q4_K, Q5_0), kind in (Q8_0, Q6_K)
     loads = BLOCK // 2 // 4 if nibbles else BLOCK // 4   # 32-byte loads of a group block's quants
@@ -505,7 +506,7 @@ def _make_unpack(kind: int, n_groups: int):
     """An intrinsic ``unpack(w, g, g_last, panel)``: row groups g + k, k < n_groups (clamped to g_last),
     decoded to float32, panel[i, 8 k + r] = W[8 (g + k) + r, i], each w = d q + m (Q8_0: no m; Q6_K: m is
     the second half's d)."""
-    block_bytes, header_bytes, _ = LAYOUT[kind]
+    block_bytes, header_bytes = LAYOUT[kind]
     group_block = GROUP * block_bytes
 
     @intrinsic
@@ -933,18 +934,18 @@ def _header_value(flat, at, size, lane, kind, index):
     """Header value ``index`` of row ``lane`` of a group block at byte ``at`` of ``size`` rows (a kernel's
     ``_scales``): an f16 field, or for the converted kinds an f16 field times an int8 multiplier."""
     multipliers = MULTIPLIERS[kind]
-    fields = (LAYOUT[kind][1] - multipliers) // 2
+    fields = (LAYOUT[kind][1] - multipliers) // FIELD
     multiplier = np.int8(1)
     if multipliers:
-        multiplier = np.int8(flat[at + size * (2 * fields + index) + lane])
+        multiplier = np.int8(flat[at + size * (FIELD * fields + index) + lane])
         index = min(index, fields - 1)
-    return _field(flat, at + 2 * (size * index + lane), 2) * np.float32(multiplier)   # one _field: less code
+    return _field(flat, at + FIELD * (size * index + lane), FIELD) * np.float32(multiplier)   # one _field: less code
 
 
 @njit(cache=True, nogil=True)
 def _dequantize_row(kind, blocks, row, y):
     """y[:] = row ``row`` of the weight laid out by ``prepare``, dequantized as gguf does."""
-    block_bytes, header_bytes, field = LAYOUT[kind]
+    block_bytes, header_bytes = LAYOUT[kind]
     n_rows, row_bytes = blocks.shape
     flat = blocks.reshape(-1)
     first = row // GROUP * GROUP
@@ -968,11 +969,11 @@ def _dequantize_row(kind, blocks, row, y):
             continue
         fifth = 0   # Q5_0's fifth bits, bit i element i's
         if kind == Q5_0 and size == 1:
-            fifth = _bits(flat, at + field, 4)
+            fifth = _bits(flat, at + FIELD, 4)
         elif kind == Q5_0:   # as _q5_0_fifth_bits arranged them
             for i in range(BLOCK):
                 j = i % (BLOCK // 2)
-                fifth |= (np.int64(flat[at + GROUP * field + GROUP * (j % 4) + lane]) >> (2 * (j // 4) + i // 16)
+                fifth |= (np.int64(flat[at + GROUP * FIELD + GROUP * (j % 4) + lane]) >> (2 * (j // 4) + i // 16)
                           & 1) << i
         for j in range(BLOCK // 2):
             byte = np.int64(flat[quants + j * size])
@@ -999,17 +1000,17 @@ def embed_rows(kind: int, blocks: np.ndarray, tokens: np.ndarray, scale: float, 
 
 def _interleave(data: np.ndarray, kind: int) -> np.ndarray:
     """GGUF blocks of a multiple of GROUP rows in the group layout (see the module doc)."""
-    block_bytes, header_bytes, field = LAYOUT[kind]
+    block_bytes, header_bytes = LAYOUT[kind]
     n_groups, n_blocks = data.shape[0] // GROUP, data.shape[1] // block_bytes
     blocks = data.reshape(n_groups, GROUP, n_blocks, block_bytes)
     fields_end = header_bytes - MULTIPLIERS[kind]
     parts = []   # each [group, block, field, row, byte]: the f16 fields, the int8 multipliers, the quants
-    for start, end, size in ((0, fields_end, field), (fields_end, header_bytes, 1), (header_bytes, block_bytes, 1)):
+    for start, end, size in ((0, fields_end, FIELD), (fields_end, header_bytes, 1), (header_bytes, block_bytes, 1)):
         part = blocks[..., start:end].reshape(n_groups, GROUP, n_blocks, (end - start) // size, size)
         parts.append(part.transpose(0, 2, 3, 1, 4).reshape(n_groups, n_blocks, -1))
     grouped = np.concatenate(parts, axis=2)
     if kind == Q5_0:
-        grouped[..., GROUP * field:GROUP * header_bytes] = _q5_0_fifth_bits(blocks)
+        grouped[..., GROUP * FIELD:GROUP * header_bytes] = _q5_0_fifth_bits(blocks)
     return grouped.reshape(data.shape)
 
 
