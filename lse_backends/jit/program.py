@@ -29,9 +29,10 @@ from . import atomics, attention, cache, kernels, quant
 # instruction ops
 EMBED, EMBED_Q, RMS_NORM, LINEAR, LINEAR_Q, ROPE, ATTENTION, FUSED, LAST_ROWS = range(9)
 # instruction columns: the op, then output, input and resource/integer slots (-1 where unused)
-MAX_OUTPUTS, MAX_INPUTS, MAX_ARGS = 4, 6, 7
+MAX_OUTPUTS, MAX_INPUTS, MAX_ARGS = 4, 6, 8
 # A quantized linear's slots: outputs, one per weight (MAX_PARTS at most); args: the first weight, the
-# weights' kind, its bias (-1: none), then each further weight and its bias
+# weights' kind, the steps its activations take two planes in (quant.WIDE_PREFILL, WIDE_DECODE bits), the first
+# weight's bias (-1: none), then each further weight and its bias
 MAX_PARTS = 3
 OUT, IN, ARG = 1, 1 + MAX_OUTPUTS, 1 + MAX_OUTPUTS + MAX_INPUTS
 WIDTH = ARG + MAX_ARGS
@@ -59,7 +60,7 @@ _ACT, _QMAT, _CACHE = _LIST_TYPES["acts"], _LIST_TYPES["qmats"], _LIST_TYPES["ca
 _INT = types.int64
 # The kernels _run calls through function pointers (``compiled_kernels()``), as they are called there
 _LINEAR_PAIRS = types.FunctionType(types.UniTuple(_INT, 2)(
-    _INT, _QMAT, _ACT, _ACT, _INT, _INT, types.float32[::1], types.boolean))
+    _INT, _QMAT, _ACT, _ACT, _INT, _INT, types.float32[::1], types.boolean, _INT))
 _STORE_KV = types.FunctionType(types.void(_ACT, _ACT, _CACHE, _CACHE, _INT, _INT, _STEP, _INDICES, _INT, _INT))
 _ATTENTION = types.FunctionType(types.void(
     _ACT, _CACHE, _CACHE, _INT, _INT, _STEP, _INDICES, _INT, types.float32, _INT, _ACT, _INT, _INT))
@@ -117,13 +118,14 @@ def _parts(c):
 @njit(cache=True, nogil=True, inline="always")
 def _weight_arg(part):
     """The arg slot of a quantized linear's part'th weight."""
-    return ARG if part == 0 else ARG + 1 + 2 * part
+    return ARG if part == 0 else ARG + 2 + 2 * part
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _bias_arg(part):
-    """The arg slot of a quantized linear's part'th bias: after the kind for the first, else after its weight."""
-    return ARG + 2 if part == 0 else _weight_arg(part) + 1
+    """The arg slot of a quantized linear's part'th bias: after the planes' bits for the first, else after its
+    weight."""
+    return ARG + 3 if part == 0 else _weight_arg(part) + 1
 
 
 @njit(cache=True, nogil=True)
@@ -208,7 +210,7 @@ def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, cac
             if max(p0, first) < min(p1, first + pairs):
                 y = acts[c[OUT + part]][:n]
                 r0, r1 = linear_pairs(c[ARG + 1], weight, x, y, max(p0, first) - first,
-                                      min(p1, first + pairs) - first, scratch, row_invariant)
+                                      min(p1, first + pairs) - first, scratch, row_invariant, c[ARG + 2])
                 _add_bias(vecs, c[_bias_arg(part)], y, r0, r1)
             first += pairs
     elif op == ATTENTION and phase == 0:
@@ -261,7 +263,8 @@ def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tok
                     item = first + atomics.fetch_add(counters, done + (owner + 1) * LINE, 1)
                     while item < end:
                         if c[0] == LINEAR_Q and quantized_for != k:  # once per instruction and thread
-                            quant.quantize_activations(c[ARG + 1], acts[c[IN]][:n], scratch, row_invariant)
+                            quant.quantize_activations(c[ARG + 1], acts[c[IN]][:n], scratch, row_invariant,
+                                                       c[ARG + 2])
                             quantized_for = k
                         run(c, phase, item, n_items, n, floats[k, 0], acts, flats, mats, qmats, vecs, caches, fns,
                              tokens, positions, row_slot, sample_rows, scratch, row_invariant, linear_pairs, store_kv,
@@ -516,19 +519,19 @@ def link(programs: Sequence[Program], inputs: Sequence[str], outputs: Sequence[s
 
 
 def _merge_linears(instructions: list[Instruction]) -> list[Instruction]:
-    """Consecutive quantized linears of one input and one weight type (q, k and v; gate and up) as one
+    """Consecutive quantized linears of one input, weight type and width (q, k and v; gate and up) as one
     instruction whose work items share out all their rows: one wait for the threads instead of several,
     and a small product (k, v at one token) no longer runs on one thread while the others wait."""
     merged: list[Instruction] = []
     for ins in instructions:
         last = merged[-1] if merged else None
         if (last is None or not ins.op == last.op == LINEAR_Q or ins.inputs != last.inputs
-                or ins.args[1] != last.args[1] or len(last.outputs) == MAX_PARTS):
+                or ins.args[1:3] != last.args[1:3] or len(last.outputs) == MAX_PARTS):
             merged.append(ins)
             continue
         widths = last.width if isinstance(last.width, tuple) else (last.width,)
         merged[-1] = Instruction(LINEAR_Q, last.outputs + ins.outputs, last.inputs,
-                                 last.args + (ins.args[0], ins.args[2]), width=widths + (ins.width,))
+                                 last.args + (ins.args[0], ins.args[3]), width=widths + (ins.width,))
     return merged
 
 

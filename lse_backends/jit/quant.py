@@ -3,12 +3,12 @@ registers or, for Q8_0, Q6_K and Q5_K steps of 8 to 16 tokens, sixteen rows at a
 that stays in cache (never a dequantized copy of the weights). Steps of more than INT8_TOKENS tokens (prefill)
 quantize each block of 32 activations to int8 once per product, as llama.cpp quantizes them to Q8_0/Q8_K for
 its GEMMs, and multiply in integer dot products (GEMM tiles: a 512-token chunk of Qwen2.5-0.5B shaped layers,
-one thread, 1.7-1.8x faster than through float32 panels). Q4 weights meet activations of two int8 planes,
-15 bits a value (``int8``; 1.5x faster than the panels, half the one-plane rate): with one plane the
-default model's answer to README's question flips (``_planes``). Steps of up to INT8_TOKENS tokens
-(decode) take one-plane int8 activations where they meet Q4 (and Q5_0) weights, the nibbles multiplying the
-activation bytes in 16-bit integer lanes (SmolLM2's whole step at 8 and 16 sequences was 1.17x and 1.13x
-faster than through float32 panels), and float32 ones elsewhere.
+one thread, 1.7-1.8x faster than through float32 panels). Steps of up to INT8_TOKENS tokens (decode) take
+int8 activations where they meet Q4 (and Q5_0) weights, the nibbles multiplying the activation bytes in 16-bit
+integer lanes (SmolLM2's whole step at 8 and 16 sequences was 1.17x and 1.13x faster than through float32
+panels), and float32 ones elsewhere. Q4 weights take two int8 planes, 15 bits a value (``int8``), in the
+steps that their product's ``wide`` names (every product's prefill, a gated MLP's down projection's decode
+too: ``_planes``).
 Q4_K is read as Q4_1 blocks whose d and m are d sc and -dmin m (``_from_q4_k``: the same values, 0.6875
 bytes each), Q6_K as Q8_0 blocks with a d sc for each half (``_from_q6_k``, 1.125 bytes each), Q5_K as Q8_0
 blocks with a d and an m (``_from_q5_k``, 1.1875 bytes each), each of those scales stored as the super-block's
@@ -33,8 +33,8 @@ layout for groups of one row) and are dequantized and dotted one at a time.
 Arithmetic, in LLVM vector IR emitted through numba ``@intrinsic``s (numba's own loops widen the
 nibbles to int64 and do not vectorize), per tile of row groups x tokens:
   GEMM        (past INT8_TOKENS; Q4 and Q5_0 weights at every step) x = xs * xq per block
-              (``int8.quantize_compact``, once per product and thread; for Q4 weights past INT8_TOKENS two
-              planes, xq = 128 hi + lo, unless row_invariant), t = sum_i q_i * xq_i exactly in int32 lanes,
+              (``int8.quantize_compact``, once per product and thread; for Q4 weights, in the steps ``wide``
+              names, two planes, xq = 128 hi + lo), t = sum_i q_i * xq_i exactly in int32 lanes,
               four bytes of a row a lane (``_dot4``: vpdpbusd, or pmaddubsw and pmaddwd, per plane; signed
               weights as |q| times xq with q's sign, psignb), then acc += d * xs * t, plus m * s (Q4_1, Q4_K,
               Q5_K) or - 8 d * s (Q4_0; Q5_0: - 16), s = xs * sum_i xq_i. Tiles of GEMM_GROUPS groups x
@@ -65,11 +65,11 @@ Drivers: a product splits into work items, each a range of row groups that every
 ``linear_item`` runs one item (programs hand items to their threads; ``linear_pairs`` a range of row
 groups), ``linear`` all of them.
 
-Row-invariant (--deterministic): which tile a row meets depends on the step's row count, and two activation
-planes, the float32 register tiles of one token and of four, and the panels each round differently. With
-``row_invariant`` every step takes the path of a one-token step, one-plane GEMM tiles for the int8 kinds (a
-row's result is the same in a tile of one token or of several) and one-token register tiles for the others,
-so a row's bits do not depend on the other rows. The measured cost is small (benchmarks/deterministic.py).
+Row-invariant (--deterministic): which tile a row meets depends on the step's row count, and the float32
+register tiles of one token and of four and the panels each round differently. With ``row_invariant`` every
+step takes the path of a one-token step, GEMM tiles for the int8 kinds (a row's result is the same in a tile
+of one token or of several, in as many planes) and one-token register tiles for the others, so a row's bits
+do not depend on the other rows. The measured cost is small (benchmarks/deterministic.py).
 """
 
 from __future__ import annotations
@@ -612,19 +612,23 @@ _q4_0_planes, _q4_1_planes, _q4_k_planes = (
 # bits); two groups a tile ran slower (12-23 GB/s). At 16 tokens the 2 x 3 GEMM tiles took 8960 x 1536 in
 # 27 ms against their 36 (1536 x 8960 alike): the int8 kinds' steps of 3 to 16 tokens take them too.
 _q4_0_gemv, _q4_1_gemv, _q4_k_gemv, _q5_0_gemv = (_make_gemm_tile(kind, 1, 1) for kind in (Q4_0, Q4_1, Q4_K, Q5_0))
+_q4_0_gemv_planes, _q4_1_gemv_planes, _q4_k_gemv_planes = (
+    _make_gemm_tile(kind, 1, 1, 2) for kind in (Q4_0, Q4_1, Q4_K))
 PANEL_GROUPS = 2  # row groups a panel holds (three measured no faster, and items hold pairs of groups)
 _q8_0_unpack, _q6_k_unpack, _q5_k_unpack = (_make_unpack(kind, PANEL_GROUPS) for kind in (Q8_0, Q6_K, Q5_K))
 # Panel tiles: 2 x 4 accumulators, two weight vectors and a broadcast fill 11 of the 16 vector registers.
 # (A register tile of 8 tokens in one group, one accumulator each, ran at half their rate: a broadcast per
 # FMA, and no slack over the FMA latency.)
 _panel_tile = _make_panel_tile(PANEL_GROUPS, 4)
-# Tokens per step for each path: past INT8_TOKENS (prefill) every weight takes the GEMM tiles (Q4 ones with
-# two planes); up to it (a decode step of up to 16 sequences) Q4 and Q5_0 weights take the one-plane GEMM
-# tiles (one-token ones up to ONE_TOKEN_PASSES), Q8_0 float32 register tiles below PANEL_TOKENS and panels
+# Tokens per step for each path: past INT8_TOKENS (prefill) every weight takes the GEMM tiles; up to it (a
+# decode step of up to 16 sequences) Q4 and Q5_0 weights take the GEMM tiles too (one-token ones up to
+# ONE_TOKEN_PASSES), Q8_0 float32 register tiles below PANEL_TOKENS and panels
 # from it. Up to ONE_TOKEN_PASSES, the register tiles are one-token passes over the weights. Measured on
 # SmolLM2's layers, 2 threads: float32 panels against register tiles were slower at 3 and 4 tokens, even at
 # 8, 1.15x at 16 and 1.6x at 512.
 ONE_TOKEN_PASSES, PANEL_TOKENS, INT8_TOKENS = 2, 8, 16
+# A product's ``wide``: bits for the steps whose activations take two planes where its weights are Q4 (_planes)
+WIDE_PREFILL, WIDE_DECODE = 1, 2
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -654,9 +658,16 @@ def _gemm_tile(kind, planes, w, g, g_last, scratch, t, t_last, out):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _gemv_tile(kind, w, g, g_last, scratch, t, out):
-    """The one-token GEMM tile of this int8 kind (Q4 types, Q5_0)."""
-    if kind == Q4_1:
+def _gemv_tile(kind, planes, w, g, g_last, scratch, t, out):
+    """The one-token GEMM tile of this int8 kind (Q4 types, Q5_0) for activations of one plane or two (Q4 types)."""
+    if planes == 2:
+        if kind == Q4_1:
+            _q4_1_gemv_planes(w, g, g_last, scratch, t, t, out)
+        elif kind == Q4_K:
+            _q4_k_gemv_planes(w, g, g_last, scratch, t, t, out)
+        else:
+            _q4_0_gemv_planes(w, g, g_last, scratch, t, t, out)
+    elif kind == Q4_1:
         _q4_1_gemv(w, g, g_last, scratch, t, t, out)
     elif kind == Q4_K:
         _q4_k_gemv(w, g, g_last, scratch, t, t, out)
@@ -680,7 +691,7 @@ def _unpack(kind, w, g, g_last, panel):
 
 @njit(cache=True, nogil=True, inline="always")
 def _q4_kind(kind):
-    """Q4_0, Q4_1, Q4_K: weights whose prefill takes two activation planes (``_planes``)."""
+    """Q4_0, Q4_1, Q4_K: weights that take two activation planes in the steps a product's ``wide`` names."""
     return kind == Q4_0 or kind == Q4_1 or kind == Q4_K
 
 
@@ -694,7 +705,7 @@ def _int8_kind(kind):
 @njit(cache=True, nogil=True, inline="always")
 def _gemm_step(kind, n_tokens, row_invariant):
     """Whether x of n_tokens rows meets this weight in the GEMM tiles (int8 activations): the int8 kinds past
-    ONE_TOKEN_PASSES tokens (with one plane, a tile's row has the bits of the one-token tile's: the same
+    ONE_TOKEN_PASSES tokens (a tile's row has the bits of the one-token tile's in as many planes: the same
     integer dot products, then the same float operations), the others past INT8_TOKENS unless every row
     must be computed as a one-row step computes it (theirs are float32)."""
     if _int8_kind(kind):
@@ -703,36 +714,43 @@ def _gemm_step(kind, n_tokens, row_invariant):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _planes(kind, n_tokens, row_invariant):
-    """Activation planes of this weight's GEMM tiles: two (15 bits a value, ``int8``) for Q4 weights past INT8_TOKENS
-    (prefill), one for the others, for decode steps (as the one-token tiles') and wherever a row must have the
-    bits of the one-token tiles (row_invariant). With one plane, Q4 prefill turns the default model's answer to
-    README's question (a first token 0.08 logits from a tie) from 'The capital of France is Paris.' to
-    "L'Étoile, la Cité, ..." (llama.cpp's own answer there, whose Q4 GEMMs take Q8 activations); two planes keep
-    the float32 answer at 1.5x the float32 panels' speed (a 512-token chunk of 4864 x 896, one Zen 3 thread:
-    29.9 ms, panels 44.5, one plane 16.4). Q5_0's and the 8-bit kinds' prefill keeps one plane, as llama.cpp's."""
-    return 2 if _q4_kind(kind) and n_tokens > INT8_TOKENS and not row_invariant else 1
+def _planes(kind, n_tokens, row_invariant, wide):
+    """Activation planes of this weight's int8 tiles: two (15 bits a value, ``int8``) where Q4 weights meet a
+    product whose ``wide`` has this step's bit, WIDE_PREFILL past INT8_TOKENS tokens and WIDE_DECODE up to it
+    (and at every step where rows must have the bits of one-token steps: row_invariant); one elsewhere, as
+    llama.cpp's Q8 activations. jit:0 sets WIDE_PREFILL for every product and WIDE_DECODE too for a gated MLP's
+    down projection (linear's attrs.mlp), whose input, act(gate) * up, has the few large values that rounding
+    a block to int8 costs most. On the default model, teacher-forced against the interpreter over 4 x 64
+    positions, decode with one plane everywhere agreed on 247 top tokens, with two for the down projections
+    250, two everywhere 255 (but 8-22 % slower decode, twice the integer work for every product). Prefill
+    with one plane turns the default model's answer to README's question, with its system prompt (a first
+    token 0.08 logits from a tie), from 'The capital of France is Paris.' into "L'Étoile, la Cité, ..."
+    (llama.cpp's own answer there), even with two for attention and down: two planes keep the float32
+    answer at 1.5x the float32 panels' speed (a 512-token chunk of 4864 x 896 Q4_0, one Zen 3 thread: 29.9 ms,
+    panels 44.5, one plane 16.4)."""
+    step = WIDE_DECODE if n_tokens <= INT8_TOKENS or row_invariant else WIDE_PREFILL
+    return 2 if _q4_kind(kind) and wide & step else 1
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _gemv_step(kind, n_tokens):
     """Whether x of n_tokens rows meets this int8 kind's weight in the one-token GEMM tiles: steps of up to
-    ONE_TOKEN_PASSES tokens (a row's bits are the other GEMM tiles' with one plane: the same integer dot
+    ONE_TOKEN_PASSES tokens (a row's bits are the other GEMM tiles' in as many planes: the same integer dot
     products, then the same float operations)."""
     return _int8_kind(kind) and n_tokens <= ONE_TOKEN_PASSES
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _compact_planes(kind, n_tokens, row_invariant):
+def _compact_planes(kind, n_tokens, row_invariant, wide):
     """The planes of the int8 activations that x of n_tokens rows takes for this weight
     (``int8.quantize_compact``), or 0 where it takes float32 ones."""
-    if _gemm_step(kind, n_tokens, row_invariant):
-        return _planes(kind, n_tokens, row_invariant)
-    return 1 if _gemv_step(kind, n_tokens) else 0
+    if _gemm_step(kind, n_tokens, row_invariant) or _gemv_step(kind, n_tokens):
+        return _planes(kind, n_tokens, row_invariant, wide)
+    return 0
 
 
 @njit(cache=True, nogil=True)
-def _groups(kind, w, x, out, g0, g1, scratch, row_invariant=False):
+def _groups(kind, w, x, out, g0, g1, scratch, row_invariant=False, wide=WIDE_PREFILL):
     """Row groups g0 .. g1 - 1 against every token (see INT8_TOKENS):
     - GEMM tiles of GEMM_GROUPS groups x GEMM_TOKENS tokens (``_gemm_step``: the int8 kinds past
       ONE_TOKEN_PASSES tokens, the others past INT8_TOKENS), on the activations in scratch
@@ -745,19 +763,19 @@ def _groups(kind, w, x, out, g0, g1, scratch, row_invariant=False):
     - or each pair of groups decoded once to a float32 panel (16 rows x n, in cache) that 4-token panel
       tiles multiply: Q8_0's (Q6_K's, Q5_K's) from PANEL_TOKENS to INT8_TOKENS tokens.
     Tiles past the last token are clamped to it. ``row_invariant``: every row as a one-token step computes
-    it (one-plane GEMM tiles for the int8 kinds, one-token register tiles for the others, at any step
-    size), so a row's result does not depend on the step's other rows."""
-    n_tokens = x.shape[0]
+    it (GEMM tiles for the int8 kinds, one-token register tiles for the others, at any step size), so a
+    row's result does not depend on the step's other rows. ``wide``: the steps taking two planes (``_planes``)."""
+    n_tokens, planes = x.shape[0], _planes(kind, x.shape[0], row_invariant, wide)
     if _gemm_step(kind, n_tokens, row_invariant):
-        rows, planes = _scratch_rows(kind, scratch, x, row_invariant), _planes(kind, n_tokens, row_invariant)
+        rows = _scratch_rows(kind, scratch, x, row_invariant, wide)
         for g in range(g0, g1, GEMM_GROUPS):
             for t in range(0, n_tokens, GEMM_TOKENS):
                 _gemm_tile(kind, planes, w, g, g1 - 1, rows, t, n_tokens - 1, out)
     elif _gemv_step(kind, n_tokens):
-        rows = _scratch_rows(kind, scratch, x, row_invariant)
+        rows = _scratch_rows(kind, scratch, x, row_invariant, wide)
         for g in range(g0, g1):
             for t in range(n_tokens):
-                _gemv_tile(kind, w, g, g1 - 1, rows, t, out)
+                _gemv_tile(kind, planes, w, g, g1 - 1, rows, t, out)
     elif n_tokens < PANEL_TOKENS or row_invariant:
         tokens = 1 if n_tokens <= ONE_TOKEN_PASSES or row_invariant else 4
         for t in range(0, n_tokens, tokens):
@@ -790,20 +808,21 @@ def activation_scratch(n_tokens: int, width: int) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def _scratch_rows(kind, scratch, x, row_invariant):
+def _scratch_rows(kind, scratch, x, row_invariant, wide):
     """The rows of ``scratch`` that x's int8 activations take, where x meets this weight as int8."""
     n_tokens, width = x.shape
-    per_row = int8.compact_width(width, _compact_planes(kind, n_tokens, row_invariant))
+    per_row = int8.compact_width(width, _compact_planes(kind, n_tokens, row_invariant, wide))
     return scratch[:n_tokens * per_row].reshape(n_tokens, per_row)
 
 
 @njit(cache=True, nogil=True)
-def quantize_activations(kind: int, x: np.ndarray, scratch: np.ndarray, row_invariant: bool = False) -> None:
+def quantize_activations(kind: int, x: np.ndarray, scratch: np.ndarray, row_invariant: bool = False,
+                         wide: int = WIDE_PREFILL) -> None:
     """What the GEMM tiles read: x as int8 in scratch (``activation_scratch``, ``int8.quantize_compact``)
     where it meets this weight in them. Other kinds and steps: nothing."""
-    planes = _compact_planes(kind, x.shape[0], row_invariant)
+    planes = _compact_planes(kind, x.shape[0], row_invariant, wide)
     if planes:
-        int8.quantize_compact(x, _scratch_rows(kind, scratch, x, row_invariant), planes)
+        int8.quantize_compact(x, _scratch_rows(kind, scratch, x, row_invariant, wide), planes)
 
 
 # Work items: a product splits into items of about ITEM_WORK block-rows x tokens (~5 us here, where
@@ -829,19 +848,19 @@ def linear_items(n_rows: int, x: np.ndarray) -> int:
 
 @njit(cache=True, nogil=True)
 def linear_pairs(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, p0: int, p1: int,
-                 scratch: np.ndarray, row_invariant: bool = False) -> tuple[int, int]:
+                 scratch: np.ndarray, row_invariant: bool = False, wide: int = WIDE_PREFILL) -> tuple[int, int]:
     """Pairs of row groups p0 .. p1 - 1 of out = x @ W.T (of ``linear_items_most`` pairs) and, in the range
     that ends with the last pair, the rows % 8 kept as GGUF stored them (dequantized and dotted one by one).
     Returns the rows written. ``scratch``: what ``quantize_activations`` wrote for x."""
     n_rows = blocks.shape[0]
     full_groups = n_rows // GROUP
     g0, g1 = min(full_groups, 2 * p0), min(full_groups, 2 * p1)
-    _groups(kind, blocks, x, out, g0, g1, scratch, row_invariant)
+    _groups(kind, blocks, x, out, g0, g1, scratch, row_invariant, wide)
     if p1 < linear_items_most(n_rows) or n_rows % GROUP == 0:
         return g0 * GROUP, g1 * GROUP
-    planes = _compact_planes(kind, x.shape[0], row_invariant)
+    planes = _compact_planes(kind, x.shape[0], row_invariant, wide)
     if planes:  # as the tiles saw x
-        x = int8.dequantize(x, _scratch_rows(kind, scratch, x, row_invariant), planes)
+        x = int8.dequantize(x, _scratch_rows(kind, scratch, x, row_invariant, wide), planes)
     weights = np.empty(x.shape[1], np.float32)
     for row in range(full_groups * GROUP, n_rows):
         _dequantize_row(kind, blocks, row, weights)
@@ -851,30 +870,31 @@ def linear_pairs(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, 
 
 @njit(cache=True, nogil=True)
 def linear_item(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, item: int, n_items: int,
-                scratch: np.ndarray, row_invariant: bool = False) -> tuple[int, int]:
+                scratch: np.ndarray, row_invariant: bool = False, wide: int = WIDE_PREFILL) -> tuple[int, int]:
     """Work item ``item`` of ``n_items`` of out = x @ W.T (``linear_pairs`` of its share of the pairs)."""
     pairs = linear_items_most(blocks.shape[0])
     return linear_pairs(kind, blocks, x, out, pairs * item // n_items, pairs * (item + 1) // n_items, scratch,
-                        row_invariant)
+                        row_invariant, wide)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def linear(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, row_invariant: bool = False) -> None:
+def linear(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, row_invariant: bool = False,
+           wide: int = WIDE_PREFILL) -> None:
     """out[T, rows] = x[T, n] @ W.T for W laid out by ``prepare`` (kind, blocks); x and out float32,
     C-contiguous, out not aliasing x. Its work items run in parallel (programs run them on their own
     threads instead, program.py). ``row_invariant``: each row of out as a one-row product gives it
-    (``_groups``)."""
+    (``_groups``); ``wide``: the steps whose activations take two planes (``_planes``)."""
     if (blocks.shape[1] != x.shape[1] // BLOCK * LAYOUT[kind][0] or x.shape[1] % BLOCK
             or out.shape != (x.shape[0], blocks.shape[0])):
         raise ValueError("linear: weight, activation and output shapes disagree")
     n_items = linear_items(blocks.shape[0], x)
     scratch = activation_scratch(x.shape[0], x.shape[1])
-    quantize_activations(kind, x, scratch, row_invariant)
+    quantize_activations(kind, x, scratch, row_invariant, wide)
     if n_items == 1:  # the calling thread alone beats waking the others
-        linear_item(kind, blocks, x, out, 0, 1, scratch, row_invariant)
+        linear_item(kind, blocks, x, out, 0, 1, scratch, row_invariant, wide)
     else:
         for item in prange(n_items):
-            linear_item(kind, blocks, x, out, item, n_items, scratch, row_invariant)
+            linear_item(kind, blocks, x, out, item, n_items, scratch, row_invariant, wide)
 
 
 @njit(cache=True, nogil=True)

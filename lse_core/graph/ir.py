@@ -11,7 +11,10 @@ Op semantics (every backend implements exactly these; the numpy interpreter is t
   rms_norm(x; weight)           per group of attrs.group columns: x / sqrt(mean(x^2) + attrs.eps) * weight
                                 (group == width for a whole row; == head_dim for per-head q/k norms;
                                 weight has attrs.group entries)
-  linear(x; weight[, bias])     x @ weight.T (+ bias); weight is [out, in], float32 or a QuantTensor
+  linear(x; weight[, bias])     x @ weight.T (+ bias); weight is [out, in], float32 or a QuantTensor;
+                                attrs.mlp (optional): "down" for a gated MLP's down projection, whose
+                                input act(gate) * up has a few large values: a device that rounds
+                                activations (to int8) may keep more of their precision there
   rope(x)                       rotates each attrs.head_dim slice of every row by its token's position,
                                 Hugging Face "rotate_half" layout, frequencies from rope_inv_freq(attrs)
   attention(q, k, v)            writes k, v rows into the layer's KV cache at (slot, position), then each

@@ -135,11 +135,12 @@ class GraphBuilder:
         self.nodes.append(ir.Node(op, inputs, output, params, attrs, layer))
         return output
 
-    def linear(self, x: str, name: str, shape: tuple[int, int], output: str, layer: int, bias: bool) -> str:
+    def linear(self, x: str, name: str, shape: tuple[int, int], output: str, layer: int, bias: bool,
+               **attrs: Any) -> str:
         params = (self.weight(f"{name}.weight", shape),)
         if bias:
             params += (self.weight(f"{name}.bias", (shape[0],)),)
-        return self.emit("linear", (x,), output, params, layer)
+        return self.emit("linear", (x,), output, params, layer, **attrs)
 
     def rms_norm(self, x: str, name: str, width: int, eps: float, output: str, layer: int) -> str:
         return self.emit("rms_norm", (x,), output, (self.weight(name, (width,)),), layer, eps=eps, group=width)
@@ -180,7 +181,7 @@ def mlp_block(b: GraphBuilder, args: ModelArgs, i: int, x: str, activation: str 
     up = b.linear(x, f"{p}.up_proj", shape, f"l{i}.up", i, args.mlp_bias)
     act = b.emit(activation, (gate,), f"l{i}.act", (), i)
     mixed = b.emit("mul", (act, up), f"l{i}.mixed", (), i)
-    return b.linear(mixed, f"{p}.down_proj", shape[::-1], f"l{i}.mlp_out", i, args.mlp_bias)
+    return b.linear(mixed, f"{p}.down_proj", shape[::-1], f"l{i}.mlp_out", i, args.mlp_bias, mlp="down")
 
 
 def build(model: Model, *, qkv_bias: bool | None = None, qk_norm: bool = False,
