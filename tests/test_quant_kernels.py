@@ -227,51 +227,57 @@ def test_prepare_keeps_the_shape_and_the_bytes(qtype):
         quant.prepare(qtype, blocks[:, 1:])
 
 
-def k_header(block: np.ndarray, fields: int, multipliers: int, rows: int = 1) -> list[np.ndarray]:
-    """A converted kind's header values of a block of ``rows`` rows (each value's f16 field times its int8
-    multiplier, quant.LAYOUT's comment), [value][row], in numpy."""
-    f16 = block[:2 * fields * rows].copy().view("<f2").astype(np.float32).reshape(fields, rows)
-    ints = block[2 * fields * rows:(2 * fields + multipliers) * rows].view(np.int8).astype(np.float32)
-    return [f16[min(i, fields - 1)] * ints.reshape(multipliers, rows)[i] for i in range(multipliers)]
+def k_header(fields: np.ndarray, multipliers: np.ndarray, rows: int = 1) -> list[np.ndarray]:
+    """A converted kind's header values for ``rows`` rows, [value][row], in numpy: each int8 multiplier
+    (``multipliers``' bytes, [multiplier][row]) times its f16 field (``fields``' bytes, [field][row]), the
+    last field serving the multipliers past it (quant.LAYOUT's comment)."""
+    f16 = fields.copy().view("<f2").astype(np.float32).reshape(-1, rows)
+    ints = multipliers.view(np.int8).astype(np.float32).reshape(-1, rows)
+    return [f16[min(i, len(f16) - 1)] * ints[i] for i in range(len(ints))]
 
 
-def test_q4_k_is_laid_out_as_q4_1_blocks_with_a_scale_and_a_min_made_of_an_f16_and_an_int8():
-    """Q4_K's 144-byte super-blocks become eight 22-byte blocks each (its f16 d and -dmin, the block's 6-bit
-    sc and m, 16 quant bytes): 0.6875 bytes a value, d sc q - dmin m as gguf's; a group block holds its eight
-    rows' fields, then their multipliers, then the quants byte by byte. Dequantized back (embed_rows above),
-    gguf's bit for bit."""
+def test_q4_k_is_laid_out_as_runs_of_q4_1_blocks_whose_scale_and_min_share_the_super_blocks_f16_fields():
+    """Q4_K's 144-byte super-blocks become runs of 148 bytes: the super-block's f16 d and -dmin once, then
+    eight 18-byte blocks (the block's 6-bit sc and m as int8, 16 quant bytes): 0.578 bytes a value, d sc q -
+    dmin m as gguf's; in a row group the run's fields are its eight rows', then each block's multipliers and
+    quants byte by byte. Dequantized back (embed_rows above), gguf's bit for bit."""
     blocks, dense = gguf_weight("Q4_K", 37, 512)
     kind, laid_out = quant.prepare("Q4_K", blocks)
-    assert kind == quant.KINDS["Q4_K"] and laid_out.shape == (37, 512 // 32 * 22) and laid_out.dtype == np.uint8
-    row = laid_out[36].reshape(-1, 22)                         # a row kept as one-row blocks
-    for b, block in enumerate(row):
-        d, m = k_header(block, 2, 2)
-        low = (block[6:] & 15).astype(np.float32)
-        np.testing.assert_array_equal(d * low + m, dense[36, 32 * b:32 * b + 16])
-    group = laid_out[:8].reshape(-1)[:8 * 22]                 # the first group's first block
-    d, m = k_header(group, 2, 2, rows=8)
-    np.testing.assert_array_equal(d * (group[48:56] & 15).astype(np.float32) + m, dense[:8, 0])   # byte 0, 8 rows
+    assert kind == quant.KINDS["Q4_K"] and laid_out.shape == (37, 512 // 256 * 148) and laid_out.dtype == np.uint8
+    for r, run in enumerate(laid_out[36].reshape(-1, 148)):   # a row kept as one-row runs
+        for b, block in enumerate(run[4:].reshape(8, 18)):
+            d, m = k_header(run[:4], block[:2])
+            low = (block[2:] & 15).astype(np.float32)
+            np.testing.assert_array_equal(d * low + m, dense[36, 256 * r + 32 * b:256 * r + 32 * b + 16])
+    group = laid_out[:8].reshape(-1)
+    for r in range(2):   # each run's third block, byte 0, eight rows
+        run = group[r * 8 * 148:(r + 1) * 8 * 148]
+        block = run[8 * 4 + 2 * 8 * 18:][:8 * 18]
+        d, m = k_header(run[:8 * 4], block[:16], rows=8)
+        np.testing.assert_array_equal(d * (block[16:24] & 15).astype(np.float32) + m, dense[:8, 256 * r + 64])
     with pytest.raises(ValueError):
         quant.prepare("Q4_K", blocks[:, 1:])
 
 
-def test_q6_k_is_laid_out_as_q8_0_blocks_with_a_scale_per_half_made_of_an_f16_and_an_int8():
-    """Q6_K's 210-byte super-blocks become eight 36-byte blocks each (its f16 d, the block's two int8 sc,
-    the 32 values as int8): 1.125 bytes a value, d sc (q - 32) as gguf's; dequantized back (embed_rows above),
-    gguf's bit for bit."""
+def test_q6_k_is_laid_out_as_runs_of_q8_0_blocks_with_a_scale_per_half_sharing_the_super_blocks_f16_d():
+    """Q6_K's 210-byte super-blocks become runs of 274 bytes: the super-block's f16 d once, then eight 34-byte
+    blocks (the block's two int8 sc, the 32 values as int8): 1.07 bytes a value, d sc (q - 32) as gguf's;
+    dequantized back (embed_rows above), gguf's bit for bit."""
     blocks, dense = gguf_weight("Q6_K", 37, 512)
     kind, laid_out = quant.prepare("Q6_K", blocks)
-    assert kind == quant.KINDS["Q6_K"] and laid_out.shape == (37, 512 // 32 * 36)
-    for b, block in enumerate(laid_out[36].reshape(-1, 36)):   # a row kept as one-row blocks
-        d, d2 = k_header(block, 1, 2)
-        values = block[4:].view(np.int8).astype(np.float32)
-        np.testing.assert_array_equal(np.concatenate([d * values[:16], d2 * values[16:]]),
-                                      dense[36, 32 * b:32 * b + 32])
-    group = laid_out[:8].reshape(-1)[:8 * 36]                 # the first group's first block
-    d, d2 = k_header(group, 1, 2, rows=8)
-    values = group[32:].view(np.int8).astype(np.float32).reshape(32, 8)
-    np.testing.assert_array_equal(d * values[0], dense[:8, 0])
-    np.testing.assert_array_equal(d2 * values[16], dense[:8, 16])
+    assert kind == quant.KINDS["Q6_K"] and laid_out.shape == (37, 512 // 256 * 274)
+    for r, run in enumerate(laid_out[36].reshape(-1, 274)):   # a row kept as one-row runs
+        for b, block in enumerate(run[2:].reshape(8, 34)):
+            d, d2 = k_header(run[:2], block[:2])
+            values = block[2:].view(np.int8).astype(np.float32)
+            np.testing.assert_array_equal(np.concatenate([d * values[:16], d2 * values[16:]]),
+                                          dense[36, 256 * r + 32 * b:256 * r + 32 * b + 32])
+    run = laid_out[:8].reshape(-1)[8 * 274:2 * 8 * 274]        # the first group's second run
+    block = run[8 * 2 + 5 * 8 * 34:][:8 * 34]                  # its sixth block
+    d, d2 = k_header(run[:8 * 2], block[:16], rows=8)
+    values = block[16:].view(np.int8).astype(np.float32).reshape(32, 8)
+    np.testing.assert_array_equal(d * values[0], dense[:8, 256 + 160])
+    np.testing.assert_array_equal(d2 * values[16], dense[:8, 256 + 176])
     with pytest.raises(ValueError):
         quant.prepare("Q6_K", blocks[:, 1:])
 

@@ -9,8 +9,8 @@ integer lanes (SmolLM2's whole step at 8 and 16 sequences was 1.17x and 1.13x fa
 panels), and float32 ones elsewhere. Q4 weights take two int8 planes, 15 bits a value (``int8``), in the
 steps that their product's ``wide`` names (every product's prefill, a gated MLP's down projection's decode
 too: ``_planes``).
-Q4_K is read as Q4_1 blocks whose d and m are d sc and -dmin m (``_from_q4_k``: the same values, 0.6875
-bytes each), Q6_K as Q8_0 blocks with a d sc for each half (``_from_q6_k``, 1.125 bytes each), Q5_K as Q8_0
+Q4_K is read as Q4_1 blocks whose d and m are d sc and -dmin m (``_from_q4_k``: the same values, 0.578
+bytes each), Q6_K as Q8_0 blocks with a d sc for each half (``_from_q6_k``, 1.07 bytes each), Q5_K as Q8_0
 blocks with a d and an m (``_from_q5_k``, 1.1875 bytes each), each of those scales stored as the super-block's
 f16 field and the block's int8 multiplier (LAYOUT), multiplied in the tiles: on SmolLM2-shaped layers, one
 thread, a decode token 4.7x (Q4_K), 2.6x (Q6_K) and 2.5x (Q5_K) faster than through the float32 copy they
@@ -24,7 +24,8 @@ and Q5_1: of their conversion's): rows go in groups of GROUP = 8, and block b of
 one group block: the eight rows' scales d (f16; for the converted types, f16 fields and then int8
 multipliers: LAYOUT), then, where the type has them, their eight mins m (Q6_K: the second half's d; Q5_0:
 the fifth bits, two 16-bit fields a row), then the quant bytes with byte j of every row together
-(byte j of row r at ``8 * j + r``). A Q4 byte j holds elements j (low nibble) and j + 16 (high nibble);
+(byte j of row r at ``8 * j + r``); Q4_K's and Q6_K's f16 fields, their super-block's, come once before each
+run of eight group blocks (SHARED). A Q4 byte j holds elements j (low nibble) and j + 16 (high nibble);
 Q8_0 byte j is element j. One 8-byte load widened to eight int32 lanes is thus one element of eight
 rows, one vcvtph2ps converts eight rows' scales, and each vector lane belongs to one row: no horizontal
 sums, no per-row broadcasts of scales. The last rows % 8 rows stay as GGUF stores them (which is this
@@ -119,19 +120,69 @@ KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K, "
          "Q5_1": Q5_K}   # read as Q5_K's blocks: _from_q5_1
 # LAYOUT[kind] = (bytes per 32-value block, bytes of its header: d, or d and m); a tuple numba reads too.
 # Header fields are f16 (FIELD bytes). The converted kinds' headers are f16 fields and then MULTIPLIERS[kind]
-# int8 multipliers, header value i being f16 field min(i, fields - 1) times multiplier i, as GGUF's K types
+# int8 multipliers, header value i being f16 field min(i, FIELDS - 1) times multiplier i, as GGUF's K types
 # store d sc and dmin m (exact in float32: 11 + 8 significant bits): Q4_K is laid out as Q4_1 blocks whose d
 # and m are d sc and -dmin m (_from_q4_k); Q6_K as Q8_0 blocks with a d for each half of the block, d sc0 and
 # d sc1 (_from_q6_k); Q5_K as Q8_0 blocks with a d and an m, each value d q + m (_from_q5_k). Q5_0 is read
 # as GGUF stores it, d and 4 bytes of fifth bits, then the nibbles; in a group block the fifth bits are
 # rearranged to be cheap to apply (_q5_0_fifth_bits).
-LAYOUT = ((18, 2), (20, 4), (34, 2), (22, 6), (36, 4), (38, 6), (22, 6))
+# Q4_K's and Q6_K's f16 fields (d and -dmin; d) are their super-block's, so they are held once per SUPER
+# blocks, SHARED[kind] of them before the run of blocks they serve (a group's eight rows' together), and
+# their blocks hold the multipliers and the quants alone: 18.5 and 34.25 bytes per 32 values instead of 22
+# and 36, the bytes a decode step streams (one thread-pair streaming 8192 x 2048 Q4_K, Zen 3: 0.335 -> 0.287
+# ms, 34 GB/s either way). The other kinds' fields are in each block's header.
+LAYOUT = ((18, 2), (20, 4), (34, 2), (18, 2), (34, 2), (38, 6), (22, 6))
 FIELD = 2
 MULTIPLIERS = (0, 0, 0, 2, 2, 2, 0)
+SHARED = (0, 0, 0, 2, 1, 0, 0)
+SUPER = 8   # blocks of a K super-block (256 values)
 GROUP = LANES  # rows per group: one vector lane each
 # Decoding outruns one core's stream of weights from memory; prefetching this far ahead in each row group's
 # stream made one thread's 210 layer GEMVs of SmolLM2 1.5x faster here (5.7 to 46 KB measured alike).
 PREFETCH_BYTES = 8192
+# f16 fields that a block's header values are made of (the shared ones, or those in its header)
+FIELDS = tuple(SHARED[k] or (LAYOUT[k][1] - MULTIPLIERS[k]) // FIELD for k in range(len(LAYOUT)))
+RUN_BYTES = tuple(FIELD * SHARED[k] + SUPER * LAYOUT[k][0] for k in range(len(LAYOUT)))   # a row's, per SUPER blocks
+
+
+@njit(cache=True, nogil=True, inline="always")
+def row_bytes(kind: int, n: int) -> int:
+    """The bytes a row of n values holds as ``prepare`` lays this kind out; -1 where it holds no such row."""
+    blocks = n // BLOCK
+    if n % BLOCK or (SHARED[kind] and blocks % SUPER):
+        return -1
+    return blocks // SUPER * RUN_BYTES[kind] if SHARED[kind] else blocks * LAYOUT[kind][0]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _block_at(kind, b, size):
+    """(the byte where block b of a row group of ``size`` rows starts, the byte where its f16 fields do)."""
+    if SHARED[kind]:
+        run = b // SUPER * size * RUN_BYTES[kind]
+        return run + size * (FIELD * SHARED[kind] + b % SUPER * LAYOUT[kind][0]), run
+    at = b * size * LAYOUT[kind][0]
+    return at, at
+
+
+def _group_block(builder: ir.IRBuilder, weights: ir.Value, b: ir.Value, kind: int) -> tuple[ir.Value, ir.Value]:
+    """(byte pointers to group block b of the row group at ``weights``, to the f16 fields it reads): ``_block_at``."""
+    group_block = GROUP * LAYOUT[kind][0]
+    if not SHARED[kind]:
+        block = builder.gep(weights, [builder.mul(b, integer(group_block))])
+        return block, block
+    run = builder.gep(weights, [builder.mul(builder.lshr(b, integer(SUPER.bit_length() - 1)),
+                                            integer(GROUP * RUN_BYTES[kind]))])
+    within = builder.and_(b, integer(SUPER - 1))
+    return builder.gep(run, [builder.add(integer(GROUP * FIELD * SHARED[kind]),
+                                         builder.mul(within, integer(group_block)))]), run
+
+
+def _row_blocks(builder: ir.IRBuilder, n_bytes: ir.Value, kind: int) -> ir.Value:
+    """The blocks in a row of ``n_bytes`` bytes of this kind (``row_bytes``)."""
+    if SHARED[kind]:
+        return builder.mul(builder.udiv(n_bytes, integer(RUN_BYTES[kind])), integer(SUPER))
+    return builder.udiv(n_bytes, integer(LAYOUT[kind][0]))
+
 
 def _halves_to_floats(builder: ir.IRBuilder, halves: ir.Value) -> ir.Value:
     """<8 x float> of eight f16 bit patterns (<8 x i16>) in integer ops every target has: the exponent
@@ -155,16 +206,16 @@ def _halves(builder: ir.IRBuilder, at: ir.Value) -> ir.Value:
     return _halves_to_floats(builder, load(builder, at, 0, v8i16))
 
 
-def _scales(builder: ir.IRBuilder, block: ir.Value, kind: int, index: int) -> ir.Value:
-    """Header value ``index`` (d; then m, or Q6_K's second d) of the group block at byte pointer ``block``,
-    the group's eight rows' as <8 x float>: an f16 field, or for the converted kinds an f16 field times an
-    int8 multiplier (see LAYOUT)."""
+def _scales(builder: ir.IRBuilder, block: ir.Value, fields: ir.Value, kind: int, index: int) -> ir.Value:
+    """Header value ``index`` (d; then m, or Q6_K's second d) of the group block at byte pointer ``block``
+    whose f16 fields are at ``fields`` (``_group_block``), the group's eight rows' as <8 x float>: an f16
+    field, or for the converted kinds an f16 field times an int8 multiplier (see LAYOUT)."""
     multipliers = MULTIPLIERS[kind]
     if not multipliers:
         return _halves(builder, builder.gep(block, [integer(GROUP * FIELD * index)]))
-    fields = (LAYOUT[kind][1] - multipliers) // FIELD
-    field = _halves(builder, builder.gep(block, [integer(GROUP * FIELD * min(index, fields - 1))]))
-    multiplier = load(builder, block, GROUP * (FIELD * fields + index), v8i8)
+    field = _halves(builder, builder.gep(fields, [integer(GROUP * FIELD * min(index, FIELDS[kind] - 1))]))
+    in_header = 0 if SHARED[kind] else FIELDS[kind]
+    multiplier = load(builder, block, GROUP * (FIELD * in_header + index), v8i8)
     return builder.fmul(field, builder.sitofp(builder.sext(multiplier, v8i32), v8f32))
 
 
@@ -227,12 +278,12 @@ def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
                         broadcasts[c, i] = splat(builder, value)
                     return broadcasts[c, i]
 
-                block = builder.gep(weights, [builder.mul(b, integer(group_block))])
+                block, fields = _group_block(builder, weights, b, kind)
                 _prefetch_ahead(builder, block, group_block)
-                scales = [_scales(builder, block, kind, h) for h in range(BLOCK // span)]
+                scales = [_scales(builder, block, fields, kind, h) for h in range(BLOCK // span)]
                 quants = _quants(builder, builder.gep(block, [integer(GROUP * header_bytes)]))
                 if kind == Q5_K:  # w_i = d q_i + m, decoded once a block for every token, as consumed
-                    quants = _with_min(builder, quants, scales[0], _scales(builder, block, kind, 1))
+                    quants = _with_min(builder, quants, scales[0], _scales(builder, block, fields, kind, 1))
                     scales = [vector(1.0)]
                 if one_token:  # acc += d * sum_i q_i x_i, for each span of the block and its d
                     partials = [[None] * n_chains for _ in scales]
@@ -407,7 +458,7 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
             group_rows = [builder.mul(clamp(builder, builder.add(group, integer(k)), last_group), integer(GROUP))
                           for k in range(n_groups)]
             weights = [row_pointer(builder, w_a, row, i8) for row in group_rows]
-            n_blocks = builder.udiv(builder.extract_value(w_a.shape, 1), integer(block_bytes))
+            n_blocks = _row_blocks(builder, builder.extract_value(w_a.shape, 1), kind)
             scales = [row_pointer(builder, scratch_a, c, f32) for c in tokens]  # a row: int8.quantize_compact
             sums = [builder.gep(row, [n_blocks]) for row in scales]
             values = [builder.bitcast(builder.gep(row, [n_blocks]), i8.as_pointer()) for row in sums]
@@ -415,7 +466,7 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(v8f32, None)) for _ in tokens] for _ in weights]
             with cgutils.for_range(builder, n_blocks) as loop:
                 b = loop.index
-                blocks = [builder.gep(w_k, [builder.mul(b, integer(group_block))]) for w_k in weights]
+                blocks, fields = zip(*(_group_block(builder, w_k, b, kind) for w_k in weights))
                 for block in blocks:
                     _prefetch_ahead(builder, block, group_block)
                 fifths = [_fifth_bits(builder, kind, block, ROWS_GATHERED) for block in blocks]
@@ -473,9 +524,9 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
                                 for rows in zip(*dots)]
                     else:
                         dots = dots[0]
-                    for k, block in enumerate(blocks):
-                        d = _scales(builder, block, kind, span)
-                        m = _scales(builder, block, kind, 1) if kind in (Q4_1, Q4_K, Q5_K) else None
+                    for k, (block, fields_k) in enumerate(zip(blocks, fields)):
+                        d = _scales(builder, block, fields_k, kind, span)
+                        m = _scales(builder, block, fields_k, kind, 1) if kind in (Q4_1, Q4_K, Q5_K) else None
                         for c in range(n_tokens):
                             dot, acc = builder.sitofp(dots[k][c], v8f32), builder.load(accs[k][c])
                             if m is not None:  # acc += d xs dot + m xs sum(xq)
@@ -524,10 +575,10 @@ def _make_unpack(kind: int, n_groups: int):
             with cgutils.for_range(builder, n_blocks) as loop:
                 b = loop.index
                 for k, w_k in enumerate(weights):
-                    block = builder.gep(w_k, [builder.mul(b, integer(group_block))])
+                    block, fields = _group_block(builder, w_k, b, kind)
                     _prefetch_ahead(builder, block, group_block)
-                    d = _scales(builder, block, kind, 0)
-                    m = _scales(builder, block, kind, 1) if kind != Q8_0 else None
+                    d = _scales(builder, block, fields, kind, 0)
+                    m = _scales(builder, block, fields, kind, 1) if kind != Q8_0 else None
                     for i, q in _quants(builder, builder.gep(block, [integer(GROUP * header_bytes)])):
                         if kind == Q6_K:   # m is the second half's d
                             value = builder.fmul(q, d if i < BLOCK // 2 else m)
@@ -884,7 +935,7 @@ def linear(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, row_in
     C-contiguous, out not aliasing x. Its work items run in parallel (programs run them on their own
     threads instead, program.py). ``row_invariant``: each row of out as a one-row product gives it
     (``_groups``); ``wide``: the steps whose activations take two planes (``_planes``)."""
-    if (blocks.shape[1] != x.shape[1] // BLOCK * LAYOUT[kind][0] or x.shape[1] % BLOCK
+    if (blocks.shape[1] != row_bytes(kind, x.shape[1]) or x.shape[1] % BLOCK
             or out.shape != (x.shape[0], blocks.shape[0])):
         raise ValueError("linear: weight, activation and output shapes disagree")
     n_items = linear_items(blocks.shape[0], x)
@@ -950,38 +1001,39 @@ def _field(flat, at, size):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _header_value(flat, at, size, lane, kind, index):
-    """Header value ``index`` of row ``lane`` of a group block at byte ``at`` of ``size`` rows (a kernel's
-    ``_scales``): an f16 field, or for the converted kinds an f16 field times an int8 multiplier."""
-    multipliers = MULTIPLIERS[kind]
-    fields = (LAYOUT[kind][1] - multipliers) // FIELD
+def _header_value(flat, at, fields_at, size, lane, kind, index):
+    """Header value ``index`` of row ``lane`` of a group block of ``size`` rows at byte ``at``, its f16 fields at
+    ``fields_at`` (a kernel's ``_scales``): an f16 field, or for the converted kinds an f16 field times an int8
+    multiplier."""
     multiplier = np.int8(1)
-    if multipliers:
-        multiplier = np.int8(flat[at + size * (FIELD * fields + index) + lane])
-        index = min(index, fields - 1)
-    return _field(flat, at + FIELD * (size * index + lane), FIELD) * np.float32(multiplier)   # one _field: less code
+    if MULTIPLIERS[kind]:
+        in_header = 0 if SHARED[kind] else FIELDS[kind]
+        multiplier = np.int8(flat[at + size * (FIELD * in_header + index) + lane])
+        index = min(index, FIELDS[kind] - 1)
+    return _field(flat, fields_at + FIELD * (size * index + lane), FIELD) * np.float32(multiplier)   # one _field
 
 
 @njit(cache=True, nogil=True)
 def _dequantize_row(kind, blocks, row, y):
     """y[:] = row ``row`` of the weight laid out by ``prepare``, dequantized as gguf does."""
-    block_bytes, header_bytes = LAYOUT[kind]
-    n_rows, row_bytes = blocks.shape
+    header_bytes = LAYOUT[kind][1]
+    n_rows, n_bytes = blocks.shape
     flat = blocks.reshape(-1)
     first = row // GROUP * GROUP
     size = GROUP if first + GROUP <= n_rows else 1  # rows in this group: the last rows % 8 stand alone
     if size == 1:
         first = row
     lane = row - first
-    for b in range(row_bytes // block_bytes):
-        at = first * row_bytes + b * size * block_bytes
-        d = _header_value(flat, at, size, lane, kind, 0)
+    for b in range(y.shape[0] // BLOCK):
+        at, fields_at = _block_at(kind, b, size)
+        at, fields_at = at + first * n_bytes, fields_at + first * n_bytes
+        d = _header_value(flat, at, fields_at, size, lane, kind, 0)
         quants = at + header_bytes * size + lane
         if kind == Q8_0:
             for i in range(BLOCK):
                 y[b * BLOCK + i] = d * np.float32(np.int8(flat[quants + i * size]))
             continue
-        m = _header_value(flat, at, size, lane, kind, 1)  # Q4_0: a quant byte, unused; Q6_K: d2; Q5_0: qh
+        m = _header_value(flat, at, fields_at, size, lane, kind, 1)  # Q4_0: a quant byte, unused; Q6_K: d2; Q5_0: qh
         if kind == Q6_K or kind == Q5_K:
             for i in range(BLOCK):
                 q = np.float32(np.int8(flat[quants + i * size]))
@@ -1019,18 +1071,28 @@ def embed_rows(kind: int, blocks: np.ndarray, tokens: np.ndarray, scale: float, 
 
 
 def _interleave(data: np.ndarray, kind: int) -> np.ndarray:
-    """GGUF blocks of a multiple of GROUP rows in the group layout (see the module doc)."""
+    """GGUF blocks of a multiple of GROUP rows in the group layout (see the module doc): each unit of a row
+    (a block, or for the SHARED kinds a run of SUPER blocks after their fields) the group's eight rows' together,
+    each piece of it (f16 fields, int8 multipliers, quants) as [element][row][byte]."""
     block_bytes, header_bytes = LAYOUT[kind]
-    n_groups, n_blocks = data.shape[0] // GROUP, data.shape[1] // block_bytes
-    blocks = data.reshape(n_groups, GROUP, n_blocks, block_bytes)
     fields_end = header_bytes - MULTIPLIERS[kind]
-    parts = []   # each [group, block, field, row, byte]: the f16 fields, the int8 multipliers, the quants
-    for start, end, size in ((0, fields_end, FIELD), (fields_end, header_bytes, 1), (header_bytes, block_bytes, 1)):
-        part = blocks[..., start:end].reshape(n_groups, GROUP, n_blocks, (end - start) // size, size)
-        parts.append(part.transpose(0, 2, 3, 1, 4).reshape(n_groups, n_blocks, -1))
+    pieces = [(0, fields_end, FIELD), (fields_end, header_bytes, 1), (header_bytes, block_bytes, 1)]
+    unit = block_bytes
+    if SHARED[kind]:
+        shared = FIELD * SHARED[kind]
+        pieces = [(0, shared, FIELD), *((shared + j * block_bytes + start, shared + j * block_bytes + end, size)
+                                        for j in range(SUPER) for start, end, size in pieces)]
+        unit = RUN_BYTES[kind]
+    n_groups, n_units = data.shape[0] // GROUP, data.shape[1] // unit
+    units = data.reshape(n_groups, GROUP, n_units, unit)
+    parts = []   # each [group, unit, element, row, byte]
+    for start, end, size in pieces:
+        if end > start:
+            part = units[..., start:end].reshape(n_groups, GROUP, n_units, (end - start) // size, size)
+            parts.append(part.transpose(0, 2, 3, 1, 4).reshape(n_groups, n_units, -1))
     grouped = np.concatenate(parts, axis=2)
     if kind == Q5_0:
-        grouped[..., GROUP * FIELD:GROUP * header_bytes] = _q5_0_fifth_bits(blocks)
+        grouped[..., GROUP * FIELD:GROUP * header_bytes] = _q5_0_fifth_bits(units)
     return grouped.reshape(data.shape)
 
 
@@ -1055,67 +1117,69 @@ def _super_blocks(data: np.ndarray, qtype: str, size: int) -> np.ndarray:
 
 
 def _k_scales(super_blocks: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Q4_K's and Q5_K's header per 32 values (``_k_blocks``): f16 fields d and -dmin, multipliers sc and m
-    ([n, 8] each), for d sc and -dmin m."""
-    d, dmin = (super_blocks[:, at:at + 2].copy().view(np.float16) for at in (0, 2))
+    """Q4_K's and Q5_K's header values (``_k_blocks``): f16 fields d and -dmin ([n] each, a super-block's) and
+    multipliers sc and m ([n, 8] each, a block's), for d sc and -dmin m."""
+    d, dmin = (super_blocks[:, at:at + 2].copy().view(np.float16)[:, 0] for at in (0, 2))
     sc, m = gguf_quants.Q4_K.get_scale_min(super_blocks[:, 4:16])
-    return [np.repeat(d, 8, axis=1), np.repeat(-dmin, 8, axis=1)], [sc, m]   # the fields for each of 8 blocks
+    return [d, -dmin], [sc, m]
 
 
-def _k_blocks(rows: int, fields: list[np.ndarray], multipliers: list[np.ndarray], values: np.ndarray) -> np.ndarray:
-    """Blocks of a converted kind (LAYOUT): f16 header fields, int8 multipliers, then the block's value bytes,
-    as [rows, bytes]; ``fields`` and ``multipliers`` hold one of each per block, ``values`` the blocks' bytes."""
+def _k_blocks(rows: int, fields: list[np.ndarray], multipliers: list[np.ndarray], values: np.ndarray,
+              shared: bool) -> np.ndarray:
+    """Blocks of a converted kind (LAYOUT) as [rows, bytes]: each block its int8 multipliers, then its value
+    bytes (``values``: [blocks, bytes]; ``multipliers``: one of each a block), and the f16 ``fields`` one of
+    each per block, in its header first, or, ``shared``, one of each per SUPER blocks, before those blocks."""
     values = values.reshape(-1, values.shape[-1])
-    header = 2 * len(fields) + len(multipliers)
-    out = np.empty((values.shape[0], header + values.shape[1]), np.uint8)
-    for i, field in enumerate(fields):
-        out[:, 2 * i:2 * i + 2] = field.astype("<f2").reshape(-1, 1).view(np.uint8)
-    for i, multiplier in enumerate(multipliers):
-        out[:, 2 * len(fields) + i] = multiplier.astype(np.int8).reshape(-1).view(np.uint8)
-    out[:, header:] = values
-    return out.reshape(rows, -1)
+    as_f16 = [field.astype("<f2").reshape(-1, 1).view(np.uint8) for field in fields]
+    ints = [multiplier.astype(np.int8).reshape(-1, 1).view(np.uint8) for multiplier in multipliers]
+    if not shared:
+        return np.concatenate([*as_f16, *ints, values], axis=1).reshape(rows, -1)
+    blocks = np.concatenate([*ints, values], axis=1).reshape(-1, SUPER * (len(ints) + values.shape[1]))
+    return np.concatenate([*as_f16, blocks], axis=1).reshape(rows, -1)
 
 
 def _from_q4_k(data: np.ndarray) -> np.ndarray:
-    """Q4_K super-blocks [rows, n / 256 * 144] as Q4_1-style blocks [rows, n / 32 * 22] whose d and m are
-    d sc and -dmin m (``_k_blocks``). A Q4_K value is d sc q - dmin m for 6-bit sc and m per 32 values, so
-    this is the same weight, not a requantization: 0.6875 bytes a value instead of 0.5625 (it was 0.75 with
-    float32 d and m), and the Q4_1 tiles read it."""
+    """Q4_K super-blocks [rows, n / 256 * 144] as runs of eight Q4_1-style blocks whose d and m are d sc and
+    -dmin m (``_k_blocks``; the f16 d and -dmin once a run): [rows, n / 256 * 148]. A Q4_K value is
+    d sc q - dmin m for 6-bit sc and m per 32 values, so this is the same weight, not a requantization:
+    0.578 bytes a value instead of 0.5625 (its 6-bit sc and m take a byte each), and the Q4_1 tiles read it."""
     super_blocks = _super_blocks(data, "Q4_K", 144)
     n = super_blocks.shape[0]
     # 32 bytes of quants per pair of sub-blocks: low nibbles the first, high nibbles the second
     values = ((super_blocks[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1))
               & np.uint8(15)).reshape(n, 8, 32)
     return _k_blocks(data.shape[0], *_k_scales(super_blocks),
-                     values[..., :16] | (values[..., 16:] << np.uint8(4)))   # Q4_1's byte j: elements j, j + 16
+                     values[..., :16] | (values[..., 16:] << np.uint8(4)), True)   # Q4_1's byte j: elements j, j + 16
 
 
 def _from_q5_k(data: np.ndarray) -> np.ndarray:
     """Q5_K super-blocks [rows, n / 256 * 176] as Q8_0-style blocks [rows, n / 32 * 38] with a d and an m
-    (``_k_scales``) and the 5-bit values as bytes: a Q5_K value is d sc q - dmin m, with sc and m as in Q4_K.
-    The same weight at 1.1875 bytes a value."""
+    (``_k_scales``, in each block) and the 5-bit values as bytes: a Q5_K value is d sc q - dmin m, with sc and
+    m as in Q4_K. The same weight at 1.1875 bytes a value (Q5_1's layout: ``_from_q5_1``)."""
     super_blocks = _super_blocks(data, "Q5_K", 176)
     n = super_blocks.shape[0]
     # low 4 bits: 32 bytes per pair of sub-blocks, low nibbles first; the 5th bit of sub-block j: bit j
     nibbles = (super_blocks[:, 48:].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
     fifth = (super_blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
-    return _k_blocks(data.shape[0], *_k_scales(super_blocks), nibbles.reshape(n, 8, 32) | (fifth << np.uint8(4)))
+    fields, multipliers = _k_scales(super_blocks)
+    return _k_blocks(data.shape[0], [np.repeat(field, SUPER) for field in fields], multipliers,
+                     nibbles.reshape(n, 8, 32) | (fifth << np.uint8(4)), False)
 
 
 def _from_q6_k(data: np.ndarray) -> np.ndarray:
-    """Q6_K super-blocks [rows, n / 256 * 210] as Q8_0-style blocks [rows, n / 32 * 36]: a d for each 16 values
-    (the f16 d and the int8 sc0 and sc1 of ``_k_blocks``, d sc exact in float32) and the 32 values q - 32 as
-    int8, where a Q6_K value is d sc (q - 32). The same weight at 1.125 bytes a value (it was 1.25 with float32
-    scales), read by the Q8_0 tiles."""
+    """Q6_K super-blocks [rows, n / 256 * 210] as runs of eight Q8_0-style blocks [rows, n / 256 * 274]: a d
+    for each 16 values (the f16 d, once a run, and the block's int8 sc0 and sc1 of ``_k_blocks``, d sc exact
+    in float32) and the 32 values q - 32 as int8, where a Q6_K value is d sc (q - 32). The same weight at
+    1.07 bytes a value (it was 1.25 with float32 scales), read by the Q8_0 tiles."""
     super_blocks = _super_blocks(data, "Q6_K", 210)
     n = super_blocks.shape[0]
-    d = np.repeat(super_blocks[:, 208:210].copy().view(np.float16), 8, axis=1)   # the super-block's, 8 blocks'
+    d = super_blocks[:, 208:210].copy().view(np.float16)[:, 0]
     sc = super_blocks[:, 192:208].copy().view(np.int8)     # [n, 16]
     # low 4 bits: 64 bytes per 128 values, low nibbles first; high 2 bits: 32 bytes per 128, 2 bits apart
     low = (super_blocks[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
     high = (super_blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
     values = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << np.uint8(4))).astype(np.int8) - np.int8(32)
-    return _k_blocks(data.shape[0], [d], [sc[:, 0::2], sc[:, 1::2]], values.view(np.uint8))
+    return _k_blocks(data.shape[0], [d], [sc[:, 0::2], sc[:, 1::2]], values.view(np.uint8), True)
 
 
 def _five_bits(high: np.ndarray, low: np.ndarray) -> np.ndarray:
@@ -1133,7 +1197,7 @@ def _from_q5_1(data: np.ndarray) -> np.ndarray:
     blocks = _super_blocks(data, "Q5_1", 24)
     d, m = (blocks[:, at:at + 2].copy().view(np.float16) for at in (0, 2))
     one = np.ones(len(blocks), np.int8)
-    return _k_blocks(data.shape[0], [d, m], [one, one], _five_bits(blocks[:, 4:8], blocks[:, 8:]))
+    return _k_blocks(data.shape[0], [d, m], [one, one], _five_bits(blocks[:, 4:8], blocks[:, 8:]), False)
 
 
 _CONVERSIONS = {"Q4_K": _from_q4_k, "Q6_K": _from_q6_k, "Q5_K": _from_q5_k, "Q5_1": _from_q5_1}
