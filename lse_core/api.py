@@ -22,6 +22,7 @@ from lse_core.adapters.responses import ResponseStore
 from lse_core.config import KV_CACHE_TYPES, KVCacheType, LSEConfig
 from lse_core.devices import hookspec  # hookspec.Device: an open device; Device below is its JSON
 from lse_core.devices.hookspec import CompileContext, DeviceInfo
+from lse_core.devices.host_memory import return_large_blocks
 from lse_core.devices.registry import Registry, discover, open_devices, open_interpreter, resolve_pool
 from lse_core.engine.engine import Engine, EngineLoad
 from lse_core.engine.sequence import Delta, ReasoningBudget, SeqParams, Sequence
@@ -93,6 +94,7 @@ def lse_open_or_raise(config: LSEConfig | dict[str, Any] | None = None) -> LSE:
     if not isinstance(config, LSEConfig):
         config = LSEConfig(**(config or {}))
     refused = config.cpu_fallback_refused
+    return_large_blocks()
     registry = discover()
     infos, warnings = resolve_pool(registry, config.pool, refused)
     for warning in warnings:
