@@ -94,19 +94,26 @@ def test_a_failed_step_leaves_a_seeded_reply_unchanged(lse: LSE, monkeypatch) ->
     without any failure."""
     body = {"prompt": [5, 9, 11, 13], "max_tokens": 12, "temperature": 1.0, "seed": 42}
     clean = reply(lse, body)["choices"][0]["text"]
-    run, failed = lse.plan.run, []
+    run, failed, other_queued = lse.plan.run, [], threading.Event()
 
     def fails_once_in_a_batch(step, *args, **kwargs):
-        if len(step.slots) > 1 and not failed:
-            failed.append(step.serial)
-            raise RuntimeError("a transient device error")
+        if not failed:
+            if len(step.slots) > 1:
+                failed.append(step.serial)
+                raise RuntimeError("a transient device error")
+            other_queued.wait(60)   # the seeded reply waits for the other, so that they share a step
         return run(step, *args, **kwargs)
 
     monkeypatch.setattr(lse.plan, "run", fails_once_in_a_batch)
     done: queue.Queue[Event] = queue.Queue()
     lse_request(lse, body, lambda e: done.put(e) if e.kind != "token" else None, "completion")
-    other = reply(lse, {"prompt": [5, 6], "max_tokens": 8, "temperature": 0})
-    result = done.get(timeout=60)
+    other_done: queue.Queue[Event] = queue.Queue()
+    lse_request(lse, {"prompt": [5, 6], "max_tokens": 8, "temperature": 0},
+                lambda e: other_done.put(e) if e.kind != "token" else None, "completion")
+    other_queued.set()
+    other_end, result = other_done.get(timeout=60), done.get(timeout=60)
+    assert other_end.kind == "end", other_end.data
+    other = other_end.data
     assert failed and other["usage"]["completion_tokens"] == 8
     assert result.kind == "end" and result.data["choices"][0]["text"] == clean
 
