@@ -239,8 +239,9 @@ def k_header(fields: np.ndarray, multipliers: np.ndarray, rows: int = 1) -> list
 def test_q4_k_is_laid_out_as_runs_of_q4_1_blocks_whose_scale_and_min_share_the_super_blocks_f16_fields():
     """Q4_K's 144-byte super-blocks become runs of 148 bytes: the super-block's f16 d and -dmin once, then
     eight 18-byte blocks (the block's 6-bit sc and m as int8, 16 quant bytes): 0.578 bytes a value, d sc q -
-    dmin m as gguf's; in a row group the run's fields are its eight rows', then each block's multipliers and
-    quants byte by byte. Dequantized back (embed_rows above), gguf's bit for bit."""
+    dmin m as gguf's; in a row group the run's fields are its eight rows', then each block's multipliers
+    byte by byte and its quants four bytes of a row at a time. Dequantized back (embed_rows above), gguf's
+    bit for bit."""
     blocks, dense = gguf_weight("Q4_K", 37, 512)
     kind, laid_out = quant.prepare("Q4_K", blocks)
     assert kind == quant.KINDS["Q4_K"] and laid_out.shape == (37, 512 // 256 * 148) and laid_out.dtype == np.uint8
@@ -254,7 +255,7 @@ def test_q4_k_is_laid_out_as_runs_of_q4_1_blocks_whose_scale_and_min_share_the_s
         run = group[r * 8 * 148:(r + 1) * 8 * 148]
         block = run[8 * 4 + 2 * 8 * 18:][:8 * 18]
         d, m = k_header(run[:8 * 4], block[:16], rows=8)
-        np.testing.assert_array_equal(d * (block[16:24] & 15).astype(np.float32) + m, dense[:8, 256 * r + 64])
+        np.testing.assert_array_equal(d * (block[16:48:4] & 15).astype(np.float32) + m, dense[:8, 256 * r + 64])
     with pytest.raises(ValueError):
         quant.prepare("Q4_K", blocks[:, 1:])
 
@@ -294,20 +295,21 @@ def test_prepare_in_row_chunks_gives_the_same_layout(qtype, monkeypatch):
 
 def test_q5_0_is_read_in_its_own_22_byte_blocks():
     """Q5_0 keeps its 22 bytes a block (it is not widened): a group's block holds its eight rows' d, their
-    fifth bits rearranged (bit 2 p + h of byte 8 e + r: row r's element 16 h + 4 p + e), then the nibbles
-    as Q4_0's. Dequantized back (embed_rows above) it is gguf's weight bit for bit."""
+    fifth bits rearranged (bit 2 p + h of byte 4 r + e: row r's element 16 h + 4 p + e), then the nibbles
+    as Q4_0's, four bytes of a row together (bytes 4 p .. 4 p + 3 of row r at 32 p + 4 r). Dequantized back
+    (embed_rows above) it is gguf's weight bit for bit."""
     blocks, dense = gguf_weight("Q5_0", 37, 96)
     kind, laid_out = quant.prepare("Q5_0", blocks)
     assert kind == quant.Q5_0 and laid_out.shape == blocks.shape
     np.testing.assert_array_equal(laid_out[32:], blocks[32:])   # the last rows % 8 stay as stored
     group, stored = laid_out[:8].reshape(-1)[:8 * 22], blocks[:8, :22]   # the first group's first block
     np.testing.assert_array_equal(group[:16].reshape(8, 2), stored[:, 0:2])     # d
-    np.testing.assert_array_equal(group[48:].reshape(16, 8), stored[:, 6:].T)   # byte j of every row
+    np.testing.assert_array_equal(group[48:].reshape(4, 8, 4).transpose(1, 0, 2).reshape(8, 16), stored[:, 6:])
     for r in range(8):
         qh = int.from_bytes(stored[r, 2:6].tobytes(), "little")
         for i in range(32):
             h, p, e = i // 16, i % 16 // 4, i % 4
-            assert group[16 + 8 * e + r] >> (2 * p + h) & 1 == qh >> i & 1
+            assert group[16 + 4 * r + e] >> (2 * p + h) & 1 == qh >> i & 1
 
 
 HOST_ISAS = [isa for isa in vector.ISA_FEATURES if isa != vector.ISA

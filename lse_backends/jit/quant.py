@@ -23,13 +23,16 @@ Layout. ``prepare`` re-lays a weight once at load into a new array of the same s
 and Q5_1: of their conversion's): rows go in groups of GROUP = 8, and block b of a group's rows is stored as
 one group block: the eight rows' scales d (f16; for the converted types, f16 fields and then int8
 multipliers: LAYOUT), then, where the type has them, their eight mins m (Q6_K: the second half's d; Q5_0:
-the fifth bits, two 16-bit fields a row), then the quant bytes with byte j of every row together
-(byte j of row r at ``8 * j + r``); Q4_K's and Q6_K's f16 fields, their super-block's, come once before each
-run of eight group blocks (SHARED). A Q4 byte j holds elements j (low nibble) and j + 16 (high nibble);
-Q8_0 byte j is element j. One 8-byte load widened to eight int32 lanes is thus one element of eight
-rows, one vcvtph2ps converts eight rows' scales, and each vector lane belongs to one row: no horizontal
-sums, no per-row broadcasts of scales. The last rows % 8 rows stay as GGUF stores them (which is this
-layout for groups of one row) and are dequantized and dotted one at a time.
+the fifth bits, two 16-bit fields a row), then the quant bytes: for the byte kinds (Q8_0, Q6_K, Q5_K)
+byte j of every row together (byte j of row r at ``8 * j + r``), so that one 8-byte load widened to eight
+int32 lanes is one element of eight rows; for the nibble kinds (NIBBLES), which only the int8 tiles read,
+four bytes of each row together (bytes 4 p .. 4 p + 3 of row r at ``32 p + 4 r``), so that a tile's 32-byte
+load p holds a row in each 32-bit lane as its dot products sum them, unshuffled. Q4_K's and Q6_K's f16
+fields, their super-block's, come once before each run of eight group blocks (SHARED). A Q4 byte j holds
+elements j (low nibble) and j + 16 (high nibble); Q8_0 byte j is element j. One vcvtph2ps converts eight
+rows' scales, and each vector lane belongs to one row: no horizontal sums, no per-row broadcasts of scales.
+The last rows % 8 rows stay as GGUF stores them (which is this layout for groups of one row) and are
+dequantized and dotted one at a time.
 
 Arithmetic, in LLVM vector IR emitted through numba ``@intrinsic``s (numba's own loops widen the
 nibbles to int64 and do not vectorize), per tile of row groups x tokens:
@@ -137,6 +140,8 @@ MULTIPLIERS = (0, 0, 0, 2, 2, 2, 0)
 SHARED = (0, 0, 0, 2, 1, 0, 0)
 SUPER = 8   # blocks of a K super-block (256 values)
 GROUP = LANES  # rows per group: one vector lane each
+# Kinds whose quant bytes hold two 4-bit values (Q5_0's fifth bits apart), laid out four bytes of a row together
+NIBBLES = (Q4_0, Q4_1, Q4_K, Q5_0)
 # Decoding outruns one core's stream of weights from memory; prefetching this far ahead in each row group's
 # stream made one thread's 210 layer GEMVs of SmolLM2 1.5x faster here (5.7 to 46 KB measured alike).
 PREFETCH_BYTES = 8192
@@ -322,21 +327,20 @@ def _shuffled(builder: ir.IRBuilder, value: ir.Value, order: list[int]) -> ir.Va
     return builder.shuffle_vector(value, ir.Constant(v32i8, None), ir.Constant(ir.VectorType(i32, 32), order))
 
 
-def _fifth_bits(builder: ir.IRBuilder, kind: int, block: ir.Value, order: list[int]) -> ir.Value | None:
-    """Q5_0: the group block's fifth bits as ``_nibbles`` takes them, their 32 bytes shuffled by ``order`` (raw
-    byte 8 e + r holds row r's bits of its byte 4 p + e of each quant load p, see ``_q5_0_fifth_bits``);
-    None for the other kinds."""
+def _fifth_bits(builder: ir.IRBuilder, kind: int, block: ir.Value) -> ir.Value | None:
+    """Q5_0: the group block's fifth bits as ``_nibbles`` takes them (byte 4 r + e holds row r's bits of its
+    byte 4 p + e of each quant load p, see ``_q5_0_fifth_bits``); None for the other kinds."""
     if kind != Q5_0:
         return None
-    return _shuffled(builder, load(builder, block, GROUP * FIELD, v32i8), order)
+    return load(builder, block, GROUP * FIELD, v32i8)
 
 
-def _nibbles(builder: ir.IRBuilder, kind: int, block: ir.Value, order: list[int], p: int,
+def _nibbles(builder: ir.IRBuilder, kind: int, block: ir.Value, p: int,
              fifth: ir.Value | None) -> tuple[ir.Value, ir.Value]:
-    """(low, high) <32 x i8> of quant load p of a Q4 (or Q5_0) group block at ``block``, lanes shuffled by
-    ``order``: the low nibbles' and the high nibbles' values, with Q5_0's fifth bits (``_fifth_bits``:
-    bit 2 p + h of a lane's byte, moved to bit 4) ORed in."""
-    raw = _shuffled(builder, load(builder, block, GROUP * LAYOUT[kind][1] + 32 * p, v32i8), order)
+    """(low, high) <32 x i8> of quant load p of a Q4 (or Q5_0) group block at ``block``, a row's four bytes
+    in each 32-bit lane: the low nibbles' and the high nibbles' values, with Q5_0's fifth bits
+    (``_fifth_bits``: bit 2 p + h of a lane's byte, moved to bit 4) ORed in."""
+    raw = load(builder, block, GROUP * LAYOUT[kind][1] + 32 * p, v32i8)
     values = [builder.and_(raw, vector(15, v32i8)), builder.lshr(raw, vector(4, v32i8))]
     if fifth is None:
         return values[0], values[1]
@@ -367,9 +371,9 @@ OFFSET = {Q4_0: -8.0, Q5_0: -16.0}
 LARGEST = {Q4_0: 15, Q4_1: 15, Q4_K: 15, Q5_0: 31, Q5_K: 31, Q6_K: 32, Q8_0: 128}
 
 
-# A 32-byte load of a group block's quants holds bytes j .. j + 3 of its eight rows ([j][row]); this shuffle
-# gathers each row's four bytes ([row][j .. j + 3]), so that a 32-bit lane is one row's, as the products'
-# sums of four are.
+# A 32-byte load of a byte kind's group block quants holds bytes j .. j + 3 of its eight rows ([j][row]); this
+# shuffle gathers each row's four bytes ([row][j .. j + 3]), so that a 32-bit lane is one row's, as the
+# products' sums of four are. (The nibble kinds are laid out so gathered: NIBBLES.)
 ROWS_GATHERED = [8 * e + r for r in range(LANES) for e in range(4)]
 
 
@@ -435,7 +439,7 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
     Q6_K) multiply as |w| times x with w's sign."""
     block_bytes, header_bytes = LAYOUT[kind]
     group_block = GROUP * block_bytes
-    nibbles, signed = kind in (Q4_0, Q4_1, Q4_K, Q5_0), kind in (Q8_0, Q6_K)
+    nibbles, signed = kind in NIBBLES, kind in (Q8_0, Q6_K)
     loads = BLOCK // 2 // 4 if nibbles else BLOCK // 4   # 32-byte loads of a group block's quants
     # Without VNNI, each (group, token)'s pmaddubsw results add up in 16-bit lanes, pair_sums of them
     # exactly (|pair| <= 2 * 127 * LARGEST[kind]), before one pmaddwd widens them: a multiply per four
@@ -469,7 +473,7 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
                 blocks, fields = zip(*(_group_block(builder, w_k, b, kind) for w_k in weights))
                 for block in blocks:
                     _prefetch_ahead(builder, block, group_block)
-                fifths = [_fifth_bits(builder, kind, block, ROWS_GATHERED) for block in blocks]
+                fifths = [_fifth_bits(builder, kind, block) for block in blocks]
                 x_blocks = [builder.gep(v, [builder.mul(b, integer(BLOCK))]) for v in values]
                 x_scales = [splat(builder, builder.load(builder.gep(r, [b]))) for r in scales]
                 x_sums = [splat(builder, builder.load(builder.gep(r, [b]))) for r in sums]
@@ -490,7 +494,7 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
                         operands = []   # per weight group: (unsigned bytes, signed bytes' sign or None, element)
                         for block, fifth in zip(blocks, fifths):
                             if nibbles:
-                                low, high = _nibbles(builder, kind, block, ROWS_GATHERED, p, fifth)
+                                low, high = _nibbles(builder, kind, block, p, fifth)
                                 operands.append([(low, None, 4 * p), (high, None, BLOCK // 2 + 4 * p)])
                             else:
                                 raw = _shuffled(builder, load(builder, block, GROUP * header_bytes + 32 * p, v32i8),
@@ -1029,6 +1033,8 @@ def _dequantize_row(kind, blocks, row, y):
         at, fields_at = at + first * n_bytes, fields_at + first * n_bytes
         d = _header_value(flat, at, fields_at, size, lane, kind, 0)
         quants = at + header_bytes * size + lane
+        if kind in NIBBLES:   # byte j of the row at 4 size (j // 4) + 4 lane + j % 4 (its row's 4 bytes together)
+            quants = at + header_bytes * size + 4 * lane
         if kind == Q8_0:
             for i in range(BLOCK):
                 y[b * BLOCK + i] = d * np.float32(np.int8(flat[quants + i * size]))
@@ -1045,10 +1051,10 @@ def _dequantize_row(kind, blocks, row, y):
         elif kind == Q5_0:   # as _q5_0_fifth_bits arranged them
             for i in range(BLOCK):
                 j = i % (BLOCK // 2)
-                fifth |= (np.int64(flat[at + GROUP * FIELD + GROUP * (j % 4) + lane]) >> (2 * (j // 4) + i // 16)
+                fifth |= (np.int64(flat[at + GROUP * FIELD + 4 * lane + j % 4]) >> (2 * (j // 4) + i // 16)
                           & 1) << i
         for j in range(BLOCK // 2):
-            byte = np.int64(flat[quants + j * size])
+            byte = np.int64(flat[quants + j // 4 * 4 * size + j % 4])
             if kind == Q5_0:
                 y[b * BLOCK + j] = d * np.float32((byte & 15 | (fifth >> j & 1) << 4) - 16)
                 y[b * BLOCK + j + 16] = d * np.float32((byte >> 4 | (fifth >> (j + 16) & 1) << 4) - 16)
@@ -1073,10 +1079,12 @@ def embed_rows(kind: int, blocks: np.ndarray, tokens: np.ndarray, scale: float, 
 def _interleave(data: np.ndarray, kind: int) -> np.ndarray:
     """GGUF blocks of a multiple of GROUP rows in the group layout (see the module doc): each unit of a row
     (a block, or for the SHARED kinds a run of SUPER blocks after their fields) the group's eight rows' together,
-    each piece of it (f16 fields, int8 multipliers, quants) as [element][row][byte]."""
+    each piece of it (f16 fields, int8 multipliers, quants) as [element][row][byte], an element of the nibble
+    kinds' quants being four bytes."""
     block_bytes, header_bytes = LAYOUT[kind]
     fields_end = header_bytes - MULTIPLIERS[kind]
-    pieces = [(0, fields_end, FIELD), (fields_end, header_bytes, 1), (header_bytes, block_bytes, 1)]
+    quant_size = 4 if kind in NIBBLES else 1
+    pieces = [(0, fields_end, FIELD), (fields_end, header_bytes, 1), (header_bytes, block_bytes, quant_size)]
     unit = block_bytes
     if SHARED[kind]:
         shared = FIELD * SHARED[kind]
@@ -1098,15 +1106,15 @@ def _interleave(data: np.ndarray, kind: int) -> np.ndarray:
 
 def _q5_0_fifth_bits(blocks: np.ndarray) -> np.ndarray:
     """The fifth bits of GGUF Q5_0 blocks [groups, GROUP rows, blocks, 22] as a group block holds them,
-    [groups, blocks, 32] bytes: byte 8 e + r holds at bit 2 p + h row r's fifth bit of element 16 h + 4 p + e
-    (the low, h = 0, or high nibble of its byte 4 p + e, which quant load p holds in lane 8 e + r), so that a
+    [groups, blocks, 32] bytes: byte 4 r + e holds at bit 2 p + h row r's fifth bit of element 16 h + 4 p + e
+    (the low, h = 0, or high nibble of its byte 4 p + e, which quant load p holds in byte 4 r + e), so that a
     tile moves each load's bits into place with a shift and a mask."""
     qh = blocks[..., 2:6].copy().view("<u4")[..., 0]                              # [group, row, block]
     bits = ((qh[..., None] >> np.arange(BLOCK, dtype=np.uint32)) & 1).astype(np.uint8)
     bits = bits.reshape(*qh.shape, 2, 4, 4)                                     # [.., h, p, e]
     at = (np.uint8(1) << (2 * np.arange(4, dtype=np.uint8) + np.arange(2, dtype=np.uint8)[:, None]))  # [h, p]
     packed = (bits * at[..., None]).sum(axis=(3, 4), dtype=np.uint8)           # [group, row, block, e]
-    return packed.transpose(0, 2, 3, 1).reshape(qh.shape[0], qh.shape[2], 4 * GROUP)
+    return packed.transpose(0, 2, 1, 3).reshape(qh.shape[0], qh.shape[2], 4 * GROUP)
 
 
 def _super_blocks(data: np.ndarray, qtype: str, size: int) -> np.ndarray:
