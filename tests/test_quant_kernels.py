@@ -79,11 +79,14 @@ def two_plane_activations(x: np.ndarray) -> np.ndarray:
 def seen_by_kernels(qtype: str, x: np.ndarray, wide: int = quant.WIDE_PREFILL) -> np.ndarray:
     """The activations a product is exact for: for Q4 weights (Q4_K too) two int8 planes in the steps that
     ``wide`` names (WIDE_PREFILL: past INT8_TOKENS tokens; WIDE_DECODE: up to it), int8 ones in the others;
-    int8 ones for the others (Q8_0, Q6_K, Q5_K) in longer steps, and for Q5_0 in both; float32 otherwise."""
+    for the byte kinds (Q8_0, Q6_K, Q5_K) two planes in steps of up to ONE_TOKEN_PASSES tokens, int8 ones in
+    longer steps and float32 ones between; int8 ones for Q5_0."""
     kind, long_step = quant.KINDS[qtype], len(x) > quant.INT8_TOKENS
     if kind == quant.Q5_0:
         return int8_activations(x)
     if kind in (quant.Q8_0, quant.Q6_K, quant.Q5_K):
+        if len(x) <= quant.ONE_TOKEN_PASSES:
+            return two_plane_activations(x)
         return int8_activations(x) if long_step else x
     two_planes = wide & (quant.WIDE_PREFILL if long_step else quant.WIDE_DECODE)
     return two_plane_activations(x) if two_planes else int8_activations(x)
@@ -276,9 +279,9 @@ def test_q6_k_is_laid_out_as_runs_of_q8_0_blocks_with_a_scale_per_half_sharing_t
     run = laid_out[:8].reshape(-1)[8 * 274:2 * 8 * 274]        # the first group's second run
     block = run[8 * 2 + 5 * 8 * 34:][:8 * 34]                  # its sixth block
     d, d2 = k_header(run[:8 * 2], block[:16], rows=8)
-    values = block[16:].view(np.int8).astype(np.float32).reshape(32, 8)
-    np.testing.assert_array_equal(d * values[0], dense[:8, 256 + 160])
-    np.testing.assert_array_equal(d2 * values[16], dense[:8, 256 + 176])
+    values = block[16:].view(np.int8).astype(np.float32).reshape(8, 8, 4)   # four bytes of a row together
+    np.testing.assert_array_equal(d * values[0, :, 0], dense[:8, 256 + 160])
+    np.testing.assert_array_equal(d2 * values[4, :, 0], dense[:8, 256 + 176])
     with pytest.raises(ValueError):
         quant.prepare("Q6_K", blocks[:, 1:])
 

@@ -6,9 +6,10 @@ its GEMMs, and multiply in integer dot products (GEMM tiles: a 512-token chunk o
 one thread, 1.7-1.8x faster than through float32 panels). Steps of up to INT8_TOKENS tokens (decode) take
 int8 activations where they meet Q4 (and Q5_0) weights, the nibbles multiplying the activation bytes in 16-bit
 integer lanes (SmolLM2's whole step at 8 and 16 sequences was 1.17x and 1.13x faster than through float32
-panels), and float32 ones elsewhere. Q4 weights take two int8 planes, 15 bits a value (``int8``), in the
-steps that their product's ``wide`` names (every product's prefill, a gated MLP's down projection's decode
-too: ``_planes``).
+panels), and where steps of one or two tokens meet the byte kinds (Q8_0, Q6_K, Q5_K), and float32 ones
+elsewhere. Q4 weights take two int8 planes, 15 bits a value (``int8``), in the steps that their product's
+``wide`` names (every product's prefill, a gated MLP's down projection's decode too), the byte kinds in
+their one-token steps (``_planes``).
 Q4_K is read as Q4_1 blocks whose d and m are d sc and -dmin m (``_from_q4_k``: the same values, 0.578
 bytes each), Q6_K as Q8_0 blocks with a d sc for each half (``_from_q6_k``, 1.07 bytes each), Q5_K as Q8_0
 blocks with a d and an m (``_from_q5_k``, 1.1875 bytes each), each of those scales stored as the super-block's
@@ -23,14 +24,13 @@ Layout. ``prepare`` re-lays a weight once at load into a new array of the same s
 and Q5_1: of their conversion's): rows go in groups of GROUP = 8, and block b of a group's rows is stored as
 one group block: the eight rows' scales d (f16; for the converted types, f16 fields and then int8
 multipliers: LAYOUT), then, where the type has them, their eight mins m (Q6_K: the second half's d; Q5_0:
-the fifth bits, two 16-bit fields a row), then the quant bytes: for the byte kinds (Q8_0, Q6_K, Q5_K)
-byte j of every row together (byte j of row r at ``8 * j + r``), so that one 8-byte load widened to eight
-int32 lanes is one element of eight rows; for the nibble kinds (NIBBLES), which only the int8 tiles read,
-four bytes of each row together (bytes 4 p .. 4 p + 3 of row r at ``32 p + 4 r``), so that a tile's 32-byte
-load p holds a row in each 32-bit lane as its dot products sum them, unshuffled. Q4_K's and Q6_K's f16
-fields, their super-block's, come once before each run of eight group blocks (SHARED). A Q4 byte j holds
-elements j (low nibble) and j + 16 (high nibble); Q8_0 byte j is element j. One vcvtph2ps converts eight
-rows' scales, and each vector lane belongs to one row: no horizontal sums, no per-row broadcasts of scales.
+the fifth bits, two 16-bit fields a row), then the quant bytes four bytes of a row together (bytes
+4 p .. 4 p + 3 of row r at ``32 p + 4 r``), so that a tile's 32-byte load p holds a row in each 32-bit lane
+as the int8 dot products sum them (the float32 tiles take a byte of each lane by two shifts). Q4_K's and
+Q6_K's f16 fields, their super-block's, come once before each run of eight group blocks (SHARED). A Q4 byte
+j holds elements j (low nibble) and j + 16 (high nibble); Q8_0 byte j is element j. One vcvtph2ps converts
+eight rows' scales, and each vector lane belongs to one row: no horizontal sums, no per-row broadcasts of
+scales.
 The last rows % 8 rows stay as GGUF stores them (which is this layout for groups of one row) and are
 dequantized and dotted one at a time.
 
@@ -42,17 +42,17 @@ nibbles to int64 and do not vectorize), per tile of row groups x tokens:
               four bytes of a row a lane (``_dot4``: vpdpbusd, or pmaddubsw and pmaddwd, per plane; signed
               weights as |q| times xq with q's sign, psignb), then acc += d * xs * t, plus m * s (Q4_1, Q4_K,
               Q5_K) or - 8 d * s (Q4_0; Q5_0: - 16), s = xs * sum_i xq_i. Tiles of GEMM_GROUPS groups x
-              GEMM_TOKENS tokens, or of one group x one token up to ONE_TOKEN_PASSES tokens: each weight
-              vector, gathered once, meets every token's four activation bytes broadcast. (The Q4 decode
-              tiles once read a layout of eight copies of each activation, one per row of a group, that
-              left L1 on wide rows: the compact one streams Qwen2.5-1.5B's decode step 1.31x faster.)
-  one token   (Q8_0) t = sum_i q_i * x_i in float32 (four partial chains), acc += d * t. Q8_0 keeps
-              float32 activations in decode steps: it is the output layer of Q4 checkpoints, and int8 ones
-              there (tried: 1.15x faster at one token) flip near-tied next tokens, SmolLM2's first answer
-              token among them. (Prefill computes the output layer for its sampled rows only: a decode-sized
-              step.)
-  4 tokens    (Q8_0 up to PANEL_TOKENS) w_i = d * q_i, then acc_c += w_i * x_ci: each block is decoded
-              once for all the tile's tokens.
+              GEMM_TOKENS tokens, or of one group x one token up to ONE_TOKEN_PASSES tokens (every kind;
+              the byte kinds in two planes): each weight vector, loaded once, meets every token's four
+              activation bytes broadcast. (The Q4 decode tiles once read a layout of eight copies of each
+              activation, one per row of a group, that left L1 on wide rows: the compact one streams
+              Qwen2.5-1.5B's decode step 1.31x faster. The byte kinds' one-token steps were float32 tiles,
+              t = sum_i q_i * x_i, until two planes without a shuffle of the weights measured 1.2-1.4x
+              faster, one thread; one plane there flipped near-tied next tokens of output layers, SmolLM2's
+              first answer token among them. Prefill computes the output layer for its sampled rows only:
+              a decode-sized step.)
+  4 tokens    (Q8_0, Q6_K, Q5_K from ONE_TOKEN_PASSES to PANEL_TOKENS) w_i = d * q_i, then acc_c += w_i *
+              x_ci: each block is decoded once for all the tile's tokens.
   panels      (Q8_0, Q6_K, Q5_K from PANEL_TOKENS to INT8_TOKENS tokens) a pair of row groups is decoded
               once, the same w_i, to a float32 panel [n, 16]; 4-token panel tiles then run
               acc_ck += w_ik * x_ci with 2 x 4 accumulators: a weight vector loaded serves four tokens, a
@@ -140,8 +140,7 @@ MULTIPLIERS = (0, 0, 0, 2, 2, 2, 0)
 SHARED = (0, 0, 0, 2, 1, 0, 0)
 SUPER = 8   # blocks of a K super-block (256 values)
 GROUP = LANES  # rows per group: one vector lane each
-# Kinds whose quant bytes hold two 4-bit values (Q5_0's fifth bits apart), laid out four bytes of a row together
-NIBBLES = (Q4_0, Q4_1, Q4_K, Q5_0)
+NIBBLES = (Q4_0, Q4_1, Q4_K, Q5_0)   # kinds whose quant bytes hold two 4-bit values (Q5_0's fifth bits apart)
 # Decoding outruns one core's stream of weights from memory; prefetching this far ahead in each row group's
 # stream made one thread's 210 layer GEMVs of SmolLM2 1.5x faster here (5.7 to 46 KB measured alike).
 PREFETCH_BYTES = 8192
@@ -227,9 +226,13 @@ def _scales(builder: ir.IRBuilder, block: ir.Value, fields: ir.Value, kind: int,
 def _quants(builder: ir.IRBuilder, quants: ir.Value) -> Iterator[tuple[int, ir.Value]]:
     """(element index, <8 x float> of that element's eight rows) for a byte-valued block's 32 elements
     (Q8_0, Q6_K, Q5_K), in load order, so that the caller consumes each vector as it is made (fewer live
-    registers)."""
-    for i in range(BLOCK):
-        yield i, builder.sitofp(builder.sext(load(builder, quants, GROUP * i, v8i8), v8i32), v8f32)
+    registers): each 32-bit lane of a load holds four of a row's bytes, byte e moved to the top and
+    shifted back down with its sign."""
+    for p in range(BLOCK // 4):
+        rows = load(builder, quants, 32 * p, v8i32)
+        for e in range(4):
+            top = builder.shl(rows, vector(24 - 8 * e, v8i32)) if e < 3 else rows
+            yield 4 * p + e, builder.sitofp(builder.ashr(top, vector(24, v8i32)), v8f32)
 
 
 
@@ -243,13 +246,13 @@ def _with_min(builder: ir.IRBuilder, quants: Iterator[tuple[int, ir.Value]], d: 
 
 def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
     """An intrinsic ``tile(w, g, g_last, x, t, out)`` for Q8_0 (or Q6_K, a scale for each half block; or
-    Q5_K, whose values are d q + m): out[t + c, rows of group g] for c < n_tokens, over float32 activations.
-    Group and token indices past g_last and x's last row are clamped to them: the clamped tile recomputes
-    and rewrites the same values, so any remainder can use it."""
+    Q5_K, whose values are d q + m): out[t + c, rows of group g] for c < n_tokens, over float32 activations,
+    each weight decoded once for the tile's tokens. Group and token indices past g_last and x's last row
+    are clamped to them: the clamped tile recomputes and rewrites the same values, so any remainder can
+    use it."""
     block_bytes, header_bytes = LAYOUT[kind]
     group_block = GROUP * block_bytes
     span = BLOCK // 2 if kind == Q6_K else BLOCK   # the elements each scale covers
-    one_token = n_tokens == 1
 
     @intrinsic
     def tile(typingctx, w, g, g_last, x, t, out):
@@ -268,8 +271,7 @@ def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
             x_rows = [row_pointer(builder, x_a, c, f32) for c in tokens]
             n_blocks = builder.lshr(builder.extract_value(x_a.shape, 1), integer(5))
             zero = ir.Constant(v8f32, None)
-            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(1 if one_token else n_chains)]
-                    for _ in tokens]
+            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(n_chains)] for _ in tokens]
 
             with cgutils.for_range(builder, n_blocks) as loop:
                 b = loop.index
@@ -290,25 +292,14 @@ def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
                 if kind == Q5_K:  # w_i = d q_i + m, decoded once a block for every token, as consumed
                     quants = _with_min(builder, quants, scales[0], _scales(builder, block, fields, kind, 1))
                     scales = [vector(1.0)]
-                if one_token:  # acc += d * sum_i q_i x_i, for each span of the block and its d
-                    partials = [[None] * n_chains for _ in scales]
-                    for n, (i, q) in enumerate(quants):
-                        chains, j = partials[i // span], n % n_chains
-                        chains[j] = (builder.fmul(q, x_at(0, i)) if chains[j] is None
-                                     else fma(builder, q, x_at(0, i), chains[j]))
-                    acc = builder.load(accs[0][0])
-                    for d, chains in zip(scales, partials):
-                        acc = fma(builder, d, tree_sum(builder, chains), acc)
-                    builder.store(acc, accs[0][0])
-                else:  # acc_c += (d * q_i) x_ci
-                    values = [[builder.load(a) for a in accs[c]] for c in range(n_tokens)]
-                    for n, (i, q) in enumerate(quants):
-                        weight = builder.fmul(q, scales[i // span])
-                        for c in range(n_tokens):
-                            values[c][n % n_chains] = fma(builder, weight, x_at(c, i), values[c][n % n_chains])
+                values = [[builder.load(a) for a in accs[c]] for c in range(n_tokens)]   # acc_c += (d * q_i) x_ci
+                for n, (i, q) in enumerate(quants):
+                    weight = builder.fmul(q, scales[i // span])
                     for c in range(n_tokens):
-                        for a, v in zip(accs[c], values[c]):
-                            builder.store(v, a)
+                        values[c][n % n_chains] = fma(builder, weight, x_at(c, i), values[c][n % n_chains])
+                for c in range(n_tokens):
+                    for a, v in zip(accs[c], values[c]):
+                        builder.store(v, a)
 
             for c in range(n_tokens):
                 store(builder, out_a, tokens[c], group_row, tree_sum(builder, [builder.load(a) for a in accs[c]]))
@@ -320,11 +311,6 @@ def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
 
 
 v16i16 = ir.VectorType(i16, 16)
-
-
-def _shuffled(builder: ir.IRBuilder, value: ir.Value, order: list[int]) -> ir.Value:
-    """<32 x i8> ``value`` with lane f taken from its lane order[f]."""
-    return builder.shuffle_vector(value, ir.Constant(v32i8, None), ir.Constant(ir.VectorType(i32, 32), order))
 
 
 def _fifth_bits(builder: ir.IRBuilder, kind: int, block: ir.Value) -> ir.Value | None:
@@ -369,12 +355,6 @@ def _pair_products(builder: ir.IRBuilder, quants: ir.Value, x: ir.Value) -> ir.V
 OFFSET = {Q4_0: -8.0, Q5_0: -16.0}
 # The largest |value| a tile multiplies, of each kind's bytes as laid out (Q6_K's q - 32, Q8_0's any int8)
 LARGEST = {Q4_0: 15, Q4_1: 15, Q4_K: 15, Q5_0: 31, Q5_K: 31, Q6_K: 32, Q8_0: 128}
-
-
-# A 32-byte load of a byte kind's group block quants holds bytes j .. j + 3 of its eight rows ([j][row]); this
-# shuffle gathers each row's four bytes ([row][j .. j + 3]), so that a 32-bit lane is one row's, as the
-# products' sums of four are. (The nibble kinds are laid out so gathered: NIBBLES.)
-ROWS_GATHERED = [8 * e + r for r in range(LANES) for e in range(4)]
 
 
 def _dot4(builder: ir.IRBuilder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
@@ -497,8 +477,7 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
                                 low, high = _nibbles(builder, kind, block, p, fifth)
                                 operands.append([(low, None, 4 * p), (high, None, BLOCK // 2 + 4 * p)])
                             else:
-                                raw = _shuffled(builder, load(builder, block, GROUP * header_bytes + 32 * p, v32i8),
-                                                ROWS_GATHERED)
+                                raw = load(builder, block, GROUP * header_bytes + 32 * p, v32i8)
                                 operands.append([(_magnitude(builder, raw) if signed else raw,
                                                   raw if signed else None, 4 * p)])
                         for part in range(len(operands[0])):
@@ -646,9 +625,7 @@ def _prefetch_ahead(builder: ir.IRBuilder, block: ir.Value, group_block: int) ->
 
 # Tile shapes, the fastest measured on Zen 3. Q8_0 float32 tiles: one token with four partial sums (its cheap
 # decode leaves the FMA latency exposed, and two groups spill registers), or four tokens with two.
-_q8_0_1, _q8_0_4 = _make_q8_0_tile(1, 4), _make_q8_0_tile(4, 2)
-_q6_k_1, _q6_k_4 = _make_q8_0_tile(1, 4, Q6_K), _make_q8_0_tile(4, 2, Q6_K)
-_q5_k_1, _q5_k_4 = _make_q8_0_tile(1, 4, Q5_K), _make_q8_0_tile(4, 2, Q5_K)
+_q8_0_4, _q6_k_4, _q5_k_4 = (_make_q8_0_tile(4, 2, kind) for kind in (Q8_0, Q6_K, Q5_K))
 # GEMM tiles (int8 activations, steps past INT8_TOKENS): groups x tokens. One thread on Zen 4 (AVX-512 VNNI),
 # 256 rows x 896 x 256 tokens, GMAC/s of CPU time, Q8_0 / Q4_0: 1 x 4 65 / 119, 2 x 2 55 / 102, 2 x 3 80 / 119,
 # 2 x 4 74 / 101, 1 x 8 63 / 127, 4 x 2 75 / 95. 2 x 3 keeps 6 float and 6 int32 accumulators, two weight
@@ -667,8 +644,8 @@ _q4_0_planes, _q4_1_planes, _q4_k_planes = (
 # bits); two groups a tile ran slower (12-23 GB/s). At 16 tokens the 2 x 3 GEMM tiles took 8960 x 1536 in
 # 27 ms against their 36 (1536 x 8960 alike): the int8 kinds' steps of 3 to 16 tokens take them too.
 _q4_0_gemv, _q4_1_gemv, _q4_k_gemv, _q5_0_gemv = (_make_gemm_tile(kind, 1, 1) for kind in (Q4_0, Q4_1, Q4_K, Q5_0))
-_q4_0_gemv_planes, _q4_1_gemv_planes, _q4_k_gemv_planes = (
-    _make_gemm_tile(kind, 1, 1, 2) for kind in (Q4_0, Q4_1, Q4_K))
+_q4_0_gemv_planes, _q4_1_gemv_planes, _q4_k_gemv_planes, _q8_0_gemv_planes, _q6_k_gemv_planes, _q5_k_gemv_planes = (
+    _make_gemm_tile(kind, 1, 1, 2) for kind in (Q4_0, Q4_1, Q4_K, Q8_0, Q6_K, Q5_K))
 PANEL_GROUPS = 2  # row groups a panel holds (three measured no faster, and items hold pairs of groups)
 _q8_0_unpack, _q6_k_unpack, _q5_k_unpack = (_make_unpack(kind, PANEL_GROUPS) for kind in (Q8_0, Q6_K, Q5_K))
 # Panel tiles: 2 x 4 accumulators, two weight vectors and a broadcast fill 11 of the 16 vector registers.
@@ -714,12 +691,19 @@ def _gemm_tile(kind, planes, w, g, g_last, scratch, t, t_last, out):
 
 @njit(cache=True, nogil=True, inline="always")
 def _gemv_tile(kind, planes, w, g, g_last, scratch, t, out):
-    """The one-token GEMM tile of this int8 kind (Q4 types, Q5_0) for activations of one plane or two (Q4 types)."""
+    """The one-token GEMM tile of this weight type for activations of one plane (Q4 types, Q5_0) or two (Q4
+    types, Q8_0, Q6_K, Q5_K)."""
     if planes == 2:
         if kind == Q4_1:
             _q4_1_gemv_planes(w, g, g_last, scratch, t, t, out)
         elif kind == Q4_K:
             _q4_k_gemv_planes(w, g, g_last, scratch, t, t, out)
+        elif kind == Q8_0:
+            _q8_0_gemv_planes(w, g, g_last, scratch, t, t, out)
+        elif kind == Q6_K:
+            _q6_k_gemv_planes(w, g, g_last, scratch, t, t, out)
+        elif kind == Q5_K:
+            _q5_k_gemv_planes(w, g, g_last, scratch, t, t, out)
         else:
             _q4_0_gemv_planes(w, g, g_last, scratch, t, t, out)
     elif kind == Q4_1:
@@ -752,8 +736,9 @@ def _q4_kind(kind):
 
 @njit(cache=True, nogil=True, inline="always")
 def _int8_kind(kind):
-    """Q4 and Q5_0 weights meet int8 activations at every step; Q8_0, Q6_K and Q5_K keep float32 ones in
-    steps of up to INT8_TOKENS tokens (they hold output layers: see the module doc)."""
+    """Q4 and Q5_0 weights meet int8 activations at every step; Q8_0, Q6_K and Q5_K (the byte kinds) in
+    steps of up to ONE_TOKEN_PASSES tokens (two planes) and past INT8_TOKENS (one), and float32 ones between
+    (see the module doc)."""
     return _q4_kind(kind) or kind == Q5_0
 
 
@@ -761,8 +746,8 @@ def _int8_kind(kind):
 def _gemm_step(kind, n_tokens, row_invariant):
     """Whether x of n_tokens rows meets this weight in the GEMM tiles (int8 activations): the int8 kinds past
     ONE_TOKEN_PASSES tokens (a tile's row has the bits of the one-token tile's in as many planes: the same
-    integer dot products, then the same float operations), the others past INT8_TOKENS unless every row
-    must be computed as a one-row step computes it (theirs are float32)."""
+    integer dot products, then the same float operations), the byte kinds past INT8_TOKENS unless every row
+    must be computed as a one-row step computes it (``_gemv_step``)."""
     if _int8_kind(kind):
         return n_tokens > ONE_TOKEN_PASSES
     return n_tokens > INT8_TOKENS and not row_invariant
@@ -782,24 +767,30 @@ def _planes(kind, n_tokens, row_invariant, wide):
     token 0.08 logits from a tie), from 'The capital of France is Paris.' into "L'Étoile, la Cité, ..."
     (llama.cpp's own answer there), even with two for attention and down: two planes keep the float32
     answer at 1.5x the float32 panels' speed (a 512-token chunk of 4864 x 896 Q4_0, one Zen 3 thread: 29.9 ms,
-    panels 44.5, one plane 16.4)."""
+    panels 44.5, one plane 16.4).
+    The byte kinds (Q8_0, Q6_K, Q5_K: output layers among them) take two planes in the one-token tiles, whose
+    float32 activations they used to keep (one plane there flipped near-tied next tokens, the default
+    model's first answer token among them), and one past INT8_TOKENS."""
+    if not _int8_kind(kind):
+        return 2 if _gemv_step(kind, n_tokens, row_invariant) else 1
     step = WIDE_DECODE if n_tokens <= INT8_TOKENS or row_invariant else WIDE_PREFILL
     return 2 if _q4_kind(kind) and wide & step else 1
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _gemv_step(kind, n_tokens):
-    """Whether x of n_tokens rows meets this int8 kind's weight in the one-token GEMM tiles: steps of up to
+def _gemv_step(kind, n_tokens, row_invariant):
+    """Whether x of n_tokens rows meets this weight in the one-token GEMM tiles: steps of up to
     ONE_TOKEN_PASSES tokens (a row's bits are the other GEMM tiles' in as many planes: the same integer dot
-    products, then the same float operations)."""
-    return _int8_kind(kind) and n_tokens <= ONE_TOKEN_PASSES
+    products, then the same float operations), and for the byte kinds every step where each row must be
+    computed as a one-row step computes it."""
+    return n_tokens <= ONE_TOKEN_PASSES or (row_invariant and not _int8_kind(kind))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _compact_planes(kind, n_tokens, row_invariant, wide):
     """The planes of the int8 activations that x of n_tokens rows takes for this weight
     (``int8.quantize_compact``), or 0 where it takes float32 ones."""
-    if _gemm_step(kind, n_tokens, row_invariant) or _gemv_step(kind, n_tokens):
+    if _gemm_step(kind, n_tokens, row_invariant) or _gemv_step(kind, n_tokens, row_invariant):
         return _planes(kind, n_tokens, row_invariant, wide)
     return 0
 
@@ -811,40 +802,33 @@ def _groups(kind, w, x, out, g0, g1, scratch, row_invariant=False, wide=WIDE_PRE
       ONE_TOKEN_PASSES tokens, the others past INT8_TOKENS), on the activations in scratch
       (``quantize_activations``), each pair of groups meeting every token tile while its weights are in
       cache;
-    - one-token GEMM tiles up to ONE_TOKEN_PASSES tokens for the int8 kinds (``_gemv_step``), each group
-      meeting every token while its weights are in L1;
-    - Q8_0 (and Q6_K, Q5_K) register tiles of one token or four, token tiles outer, so that the groups'
-      weights stay in cache while the tiles pass;
+    - one-token GEMM tiles up to ONE_TOKEN_PASSES tokens (``_gemv_step``), each group meeting every token
+      while its weights are in L1;
+    - Q8_0 (and Q6_K, Q5_K) register tiles of four tokens below PANEL_TOKENS, token tiles outer, so that the
+      groups' weights stay in cache while the tiles pass;
     - or each pair of groups decoded once to a float32 panel (16 rows x n, in cache) that 4-token panel
       tiles multiply: Q8_0's (Q6_K's, Q5_K's) from PANEL_TOKENS to INT8_TOKENS tokens.
     Tiles past the last token are clamped to it. ``row_invariant``: every row as a one-token step computes
-    it (GEMM tiles for the int8 kinds, one-token register tiles for the others, at any step size), so a
-    row's result does not depend on the step's other rows. ``wide``: the steps taking two planes (``_planes``)."""
+    it (GEMM tiles for the int8 kinds, one-token GEMM tiles for the others, at any step size), so a row's
+    result does not depend on the step's other rows. ``wide``: the steps taking two planes (``_planes``)."""
     n_tokens, planes = x.shape[0], _planes(kind, x.shape[0], row_invariant, wide)
     if _gemm_step(kind, n_tokens, row_invariant):
         rows = _scratch_rows(kind, scratch, x, row_invariant, wide)
         for g in range(g0, g1, GEMM_GROUPS):
             for t in range(0, n_tokens, GEMM_TOKENS):
                 _gemm_tile(kind, planes, w, g, g1 - 1, rows, t, n_tokens - 1, out)
-    elif _gemv_step(kind, n_tokens):
+    elif _gemv_step(kind, n_tokens, row_invariant):
         rows = _scratch_rows(kind, scratch, x, row_invariant, wide)
         for g in range(g0, g1):
             for t in range(n_tokens):
                 _gemv_tile(kind, planes, w, g, g1 - 1, rows, t, out)
-    elif n_tokens < PANEL_TOKENS or row_invariant:
-        tokens = 1 if n_tokens <= ONE_TOKEN_PASSES or row_invariant else 4
-        for t in range(0, n_tokens, tokens):
+    elif n_tokens < PANEL_TOKENS:
+        for t in range(0, n_tokens, 4):
             for g in range(g0, g1):
-                if kind == Q6_K and tokens == 1:
-                    _q6_k_1(w, g, g1 - 1, x, t, out)
-                elif kind == Q6_K:
+                if kind == Q6_K:
                     _q6_k_4(w, g, g1 - 1, x, t, out)
-                elif kind == Q5_K and tokens == 1:
-                    _q5_k_1(w, g, g1 - 1, x, t, out)
                 elif kind == Q5_K:
                     _q5_k_4(w, g, g1 - 1, x, t, out)
-                elif tokens == 1:
-                    _q8_0_1(w, g, g1 - 1, x, t, out)
                 else:
                     _q8_0_4(w, g, g1 - 1, x, t, out)
     else:
@@ -1017,6 +1001,13 @@ def _header_value(flat, at, fields_at, size, lane, kind, index):
     return _field(flat, fields_at + FIELD * (size * index + lane), FIELD) * np.float32(multiplier)   # one _field
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _quant_at(j, size):
+    """Where quant byte j of a row is in a group block of ``size`` rows, from the row's first (four bytes of
+    a row together)."""
+    return j // 4 * 4 * size + j % 4
+
+
 @njit(cache=True, nogil=True)
 def _dequantize_row(kind, blocks, row, y):
     """y[:] = row ``row`` of the weight laid out by ``prepare``, dequantized as gguf does."""
@@ -1032,17 +1023,15 @@ def _dequantize_row(kind, blocks, row, y):
         at, fields_at = _block_at(kind, b, size)
         at, fields_at = at + first * n_bytes, fields_at + first * n_bytes
         d = _header_value(flat, at, fields_at, size, lane, kind, 0)
-        quants = at + header_bytes * size + lane
-        if kind in NIBBLES:   # byte j of the row at 4 size (j // 4) + 4 lane + j % 4 (its row's 4 bytes together)
-            quants = at + header_bytes * size + 4 * lane
+        quants = at + header_bytes * size + 4 * lane   # byte j of the row at quants + _quant_at(j, size)
         if kind == Q8_0:
             for i in range(BLOCK):
-                y[b * BLOCK + i] = d * np.float32(np.int8(flat[quants + i * size]))
+                y[b * BLOCK + i] = d * np.float32(np.int8(flat[quants + _quant_at(i, size)]))
             continue
         m = _header_value(flat, at, fields_at, size, lane, kind, 1)  # Q4_0: a quant byte, unused; Q6_K: d2; Q5_0: qh
         if kind == Q6_K or kind == Q5_K:
             for i in range(BLOCK):
-                q = np.float32(np.int8(flat[quants + i * size]))
+                q = np.float32(np.int8(flat[quants + _quant_at(i, size)]))
                 y[b * BLOCK + i] = (d if i < BLOCK // 2 else m) * q if kind == Q6_K else d * q + m
             continue
         fifth = 0   # Q5_0's fifth bits, bit i element i's
@@ -1054,7 +1043,7 @@ def _dequantize_row(kind, blocks, row, y):
                 fifth |= (np.int64(flat[at + GROUP * FIELD + 4 * lane + j % 4]) >> (2 * (j // 4) + i // 16)
                           & 1) << i
         for j in range(BLOCK // 2):
-            byte = np.int64(flat[quants + j // 4 * 4 * size + j % 4])
+            byte = np.int64(flat[quants + _quant_at(j, size)])
             if kind == Q5_0:
                 y[b * BLOCK + j] = d * np.float32((byte & 15 | (fifth >> j & 1) << 4) - 16)
                 y[b * BLOCK + j + 16] = d * np.float32((byte >> 4 | (fifth >> (j + 16) & 1) << 4) - 16)
@@ -1079,12 +1068,11 @@ def embed_rows(kind: int, blocks: np.ndarray, tokens: np.ndarray, scale: float, 
 def _interleave(data: np.ndarray, kind: int) -> np.ndarray:
     """GGUF blocks of a multiple of GROUP rows in the group layout (see the module doc): each unit of a row
     (a block, or for the SHARED kinds a run of SUPER blocks after their fields) the group's eight rows' together,
-    each piece of it (f16 fields, int8 multipliers, quants) as [element][row][byte], an element of the nibble
-    kinds' quants being four bytes."""
+    each piece of it (f16 fields, int8 multipliers, quants) as [element][row][byte], an element of the quants
+    being four bytes."""
     block_bytes, header_bytes = LAYOUT[kind]
     fields_end = header_bytes - MULTIPLIERS[kind]
-    quant_size = 4 if kind in NIBBLES else 1
-    pieces = [(0, fields_end, FIELD), (fields_end, header_bytes, 1), (header_bytes, block_bytes, quant_size)]
+    pieces = [(0, fields_end, FIELD), (fields_end, header_bytes, 1), (header_bytes, block_bytes, 4)]
     unit = block_bytes
     if SHARED[kind]:
         shared = FIELD * SHARED[kind]
