@@ -623,8 +623,7 @@ def _prefetch_ahead(builder: ir.IRBuilder, block: ir.Value, group_block: int) ->
 
 
 
-# Tile shapes, the fastest measured on Zen 3. Q8_0 float32 tiles: one token with four partial sums (its cheap
-# decode leaves the FMA latency exposed, and two groups spill registers), or four tokens with two.
+# Tile shapes, the fastest measured on Zen 3. Q8_0 float32 tiles: four tokens with two partial sums each.
 _q8_0_4, _q6_k_4, _q5_k_4 = (_make_q8_0_tile(4, 2, kind) for kind in (Q8_0, Q6_K, Q5_K))
 # GEMM tiles (int8 activations, steps past INT8_TOKENS): groups x tokens. One thread on Zen 4 (AVX-512 VNNI),
 # 256 rows x 896 x 256 tokens, GMAC/s of CPU time, Q8_0 / Q4_0: 1 x 4 65 / 119, 2 x 2 55 / 102, 2 x 3 80 / 119,
@@ -653,11 +652,10 @@ _q8_0_unpack, _q6_k_unpack, _q5_k_unpack = (_make_unpack(kind, PANEL_GROUPS) for
 # FMA, and no slack over the FMA latency.)
 _panel_tile = _make_panel_tile(PANEL_GROUPS, 4)
 # Tokens per step for each path: past INT8_TOKENS (prefill) every weight takes the GEMM tiles; up to it (a
-# decode step of up to 16 sequences) Q4 and Q5_0 weights take the GEMM tiles too (one-token ones up to
-# ONE_TOKEN_PASSES), Q8_0 float32 register tiles below PANEL_TOKENS and panels
-# from it. Up to ONE_TOKEN_PASSES, the register tiles are one-token passes over the weights. Measured on
-# SmolLM2's layers, 2 threads: float32 panels against register tiles were slower at 3 and 4 tokens, even at
-# 8, 1.15x at 16 and 1.6x at 512.
+# decode step of up to 16 sequences) Q4 and Q5_0 weights take the GEMM tiles too, every kind one-token GEMM
+# tiles up to ONE_TOKEN_PASSES, and the byte kinds (Q8_0, Q6_K, Q5_K) float32 register tiles of four tokens
+# below PANEL_TOKENS and panels from it. Measured on SmolLM2's layers, 2 threads: float32 panels against
+# register tiles were slower at 3 and 4 tokens, even at 8, 1.15x at 16 and 1.6x at 512.
 ONE_TOKEN_PASSES, PANEL_TOKENS, INT8_TOKENS = 2, 8, 16
 # A product's ``wide``: bits for the steps whose activations take two planes where its weights are Q4 (_planes)
 WIDE_PREFILL, WIDE_DECODE = 1, 2
