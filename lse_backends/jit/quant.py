@@ -70,10 +70,10 @@ Drivers: a product splits into work items, each a range of row groups that every
 groups), ``linear`` all of them.
 
 Row-invariant (--deterministic): which tile a row meets depends on the step's row count, and the float32
-register tiles of one token and of four and the panels each round differently. With ``row_invariant`` every
-step takes the path of a one-token step, GEMM tiles for the int8 kinds (a row's result is the same in a tile
-of one token or of several, in as many planes) and one-token register tiles for the others, so a row's bits
-do not depend on the other rows. The measured cost is small (benchmarks/deterministic.py).
+register tiles of four tokens and the panels round differently from the GEMM tiles. With ``row_invariant``
+every step takes the path of a one-token step, GEMM tiles for the int8 kinds (a row's result is the same in
+a tile of one token or of several, in as many planes) and one-token GEMM tiles on two planes for the byte
+kinds, so a row's bits do not depend on the other rows. The measured cost is small (benchmarks/deterministic.py).
 """
 
 from __future__ import annotations
