@@ -44,7 +44,8 @@ class JitDevice(Device):
         self.info = DeviceInfo("jit", 0, "cpu", codegen=True, description=(
             f"numba {numba.__version__} on {llvm_host_cpu()}, {numba.get_num_threads()} threads; "
             f"int8 activations ({vector.ISA}) for every weight in prefill (two planes, 15 bits a value, for Q4 "
-            "ones) and for Q4 and Q5_0 ones in steps of up to 16 tokens"))
+            "ones), for Q4 and Q5_0 ones in steps of up to 16 tokens, and in two planes for Q8_0, Q6_K and Q5_K "
+            "ones in steps of one or two"))
         # id(weight) -> (weight, laid-out form): a weight read by several groups (tied embeddings) is
         # prepared once; the source is kept so its id stays unique
         self._prepared: dict[int, tuple[Any, Any]] = {}
