@@ -143,9 +143,10 @@ def _linear_q_size(c, qmats):
 def _add_bias(vecs, bias, y, r0, r1):
     """y[:, r0:r1] += vecs[bias][r0:r1] (bias -1: none)."""
     if bias >= 0:
+        vector = vecs[bias]   # once: each typed-list read counts a reference, an atomic both threads contend for
         for t in range(y.shape[0]):
             for r in range(r0, r1):
-                y[t, r] += vecs[bias][r]
+                y[t, r] += vector[r]
 
 
 @njit(cache=True, nogil=True)
