@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType, quants
 from llvmlite import ir
 
 import lse_backends.jit.quant as quant
-from lse_backends.jit import vector
+from lse_backends.jit import amx, vector
 
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 # K super-blocks hold 256 values: one, two and three of them a row, in the same row counts
@@ -396,12 +396,42 @@ def test_the_instruction_set_is_the_best_the_features_allow_or_the_one_asked_for
     assert vector.select_isa({**avx2, "avx512vnni": True}) == "avx2"      # its 256-bit form needs AVX512VL
     assert vector.select_isa({**avx2, "avx512vnni": True, "avx512vl": True, "avxvnni": True}) == "avx512vnni"
     assert vector.select_isa({**avx2, "avx512vnni": True, "avx512vl": True}, "avx2") == "avx2"
+    amx = {**avx2, "avx512vnni": True, "avx512vl": True, "avx512f": True, "avx512bw": True}
+    assert vector.select_isa({**amx, "amx-int8": True, "amx-tile": True}) == "amx"
+    assert vector.select_isa({**amx, "amx-int8": True, "amx-tile": True}, "avx512vnni") == "avx512vnni"
+    assert vector.select_isa({**amx, "amx-int8": True}) == "avx512vnni"   # no tiles (or Linux lent none)
     assert vector.select_isa(avx2, "portable") == "portable"
     for requested in ("avxvnni", "avx512vnni"):
         with pytest.raises(ValueError, match="lacks"):
             vector.select_isa(avx2, requested)
     with pytest.raises(ValueError, match="not one of"):
         vector.select_isa(avx2, "sse2")
+
+
+def test_the_amx_instructions_lower_to_tile_instructions():
+    """The AMX helpers (amx.py) the AMX tiles are made of, compiled for a CPU with AMX (whatever this host
+    is: only assembly is made), configure the tiles, load, multiply signed by signed and signed by unsigned
+    bytes, store and release them."""
+    module = ir.Module()
+    function = ir.Function(module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] * 3), "tiles")
+    builder = ir.IRBuilder(function.append_basic_block())
+    a, b, c = function.args
+    stride = ir.Constant(ir.IntType(64), 64)
+    amx.configure(builder, {0: (16, 64), 1: (16, 64), 4: (16, 64), 6: (16, 64)})
+    amx.load(builder, 4, a, stride)
+    amx.load(builder, 6, b, stride)
+    amx.zero(builder, 0)
+    amx.zero(builder, 1)
+    amx.dot(builder, 0, 4, 6, True)
+    amx.dot(builder, 1, 4, 6, False)
+    amx.store(builder, 0, c, stride)
+    amx.release(builder)
+    builder.ret_void()
+    llvm.initialize_native_asmprinter()
+    machine = llvm.Target.from_triple(llvm.get_process_triple()).create_target_machine(cpu="sapphirerapids", opt=2)
+    assembly = machine.emit_assembly(llvm.parse_assembly(str(module)))
+    for instruction in ("ldtilecfg", "tileloadd", "tilezero", "tdpbssd", "tdpbsud", "tilestored", "tilerelease"):
+        assert instruction in assembly, assembly
 
 
 @pytest.mark.parametrize("isa, cpu, instructions", [

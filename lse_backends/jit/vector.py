@@ -4,8 +4,9 @@ loop, dot products reduced eight at a time), so those kernels emit <8 x float> I
 Loads and stores are unaligned: numba arrays promise no alignment.
 
 The instruction set the kernels are written for (``ISA``) is chosen once, at import, from the host CPU's
-features as LLVM reports them (``select_isa``): AVX-512 VNNI or AVX-VNNI (vpdpbusd), AVX2 (pmaddubsw and
-pmaddwd, vcvtph2ps) or portable integer vector IR any LLVM target lowers. ``LSE_JIT_ISA`` asks for one of
+features as LLVM reports them (``select_isa``): AMX (AVX-512 VNNI, and its GEMM steps in tile registers:
+amx.py), AVX-512 VNNI or AVX-VNNI (vpdpbusd), AVX2 (pmaddubsw and pmaddwd, vcvtph2ps) or portable integer
+vector IR any LLVM target lowers. ``LSE_JIT_ISA`` asks for one of
 them (one the host has: a VNNI instruction on a CPU without it would not even compile); the disk cache keeps
 each instruction set's code apart (cache.PackageLocator)."""
 
@@ -18,6 +19,8 @@ import llvmlite.binding as llvm
 from llvmlite import ir
 from numba.core import cgutils
 
+from . import amx
+
 LANES = 8  # float32 lanes of an AVX2 register; LLVM splits or scalarizes vectors on narrower targets
 
 i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -27,8 +30,10 @@ v32i8 = ir.VectorType(i8, 4 * LANES)  # a 256-bit register of bytes
 
 
 # best first; each with the features LLVM must report for it (the VNNI ones run the AVX2 code around vpdpbusd;
-# AVX-512 VNNI's 256-bit form needs AVX512VL)
+# AVX-512 VNNI's 256-bit form needs AVX512VL; AMX runs the AVX-512 VNNI code, and its GEMM tiles in tile
+# registers with 512-bit vectors around them)
 ISA_FEATURES = {
+    "amx": ("amx-int8", "amx-tile", "avx512f", "avx512bw", "avx512vnni", "avx512vl", "avx2", "f16c", "fma"),
     "avx512vnni": ("avx512vnni", "avx512vl", "avx2", "f16c", "fma"),
     "avxvnni": ("avxvnni", "avx2", "f16c", "fma"),
     "avx2": ("avx2", "f16c", "fma"),
@@ -49,8 +54,17 @@ def select_isa(features: Mapping[str, bool], requested: str | None = None) -> st
     return requested
 
 
-ISA = select_isa(llvm.get_host_cpu_features(), os.environ.get("LSE_JIT_ISA"))
-VNNI = ISA in ("avx512vnni", "avxvnni")
+def host_features() -> dict[str, bool]:
+    """LLVM's host feature map, without AMX where Linux does not let this process use the tile registers."""
+    features = dict(llvm.get_host_cpu_features())
+    if features.get("amx-tile") and not amx.permitted():
+        features["amx-tile"] = False
+    return features
+
+
+ISA = select_isa(host_features(), os.environ.get("LSE_JIT_ISA"))
+AMX = ISA == "amx"
+VNNI = ISA in ("amx", "avx512vnni", "avxvnni")
 AVX2 = ISA != "portable"   # every ISA but the portable one has AVX2, F16C and FMA
 
 
@@ -63,15 +77,17 @@ def vector(value: float | int, vtype: ir.VectorType = v8f32) -> ir.Constant:
 
 
 def fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
-    """a * b + c, lane by lane, rounded once."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f32, [v8f32] * 3), "llvm.fma.v8f32")
+    """a * b + c, lane by lane, rounded once (float vectors of any width)."""
+    vtype = a.type
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vtype, [vtype] * 3),
+                                        f"llvm.fma.v{vtype.count}f32")
     return builder.call(fn, [a, b, c])
 
 
-def splat(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+def splat(builder: ir.IRBuilder, value: ir.Value, vtype: ir.VectorType = v8f32) -> ir.Value:
     """A float in all lanes."""
-    one = builder.insert_element(ir.Constant(v8f32, None), value, ir.Constant(i32, 0))
-    return builder.shuffle_vector(one, one, ir.Constant(v8i32, None))
+    one = builder.insert_element(ir.Constant(vtype, None), value, ir.Constant(i32, 0))
+    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(i32, vtype.count), None))
 
 
 def load(builder: ir.IRBuilder, base: ir.Value, offset: int, vtype: ir.Type) -> ir.Value:
@@ -89,11 +105,12 @@ def store_floats(builder: ir.IRBuilder, value: ir.Value, floats: ir.Value, index
     builder.store(value, builder.bitcast(builder.gep(floats, [index]), v8f32.as_pointer()), align=4)
 
 
-def prefetch(builder: ir.IRBuilder, at: ir.Value) -> None:
-    """Prefetch the cache line at ``at`` (a hint: no fault past the end of the array)."""
+def prefetch(builder: ir.IRBuilder, at: ir.Value, write: bool = False) -> None:
+    """Prefetch the cache line at ``at`` (a hint: no fault past the end of the array), to read or to write."""
     signature = ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32])
     fn = cgutils.get_or_insert_function(builder.module, signature, "llvm.prefetch.p0i8")
-    builder.call(fn, [at, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
+    builder.call(fn, [builder.bitcast(at, i8.as_pointer()), ir.Constant(i32, int(write)), ir.Constant(i32, 3),
+                      ir.Constant(i32, 1)])   # keep, data
 
 
 def tree_sum(builder: ir.IRBuilder, values: list[ir.Value]) -> ir.Value:
