@@ -560,9 +560,10 @@ def test_each_quant_type_decodes_the_interpreters_top_token(jit, qtype):
     """The default model with every matrix requantized to one type (gguf quantizes its dequantized
     weights; SmolLM2's widths are not whole K super-blocks, Gemma's test covers those): under teacher
     forcing over its prompts (prefill through the GEMM tiles, decode through the one-token ones), the
-    jit device's top token is the interpreter's on the same weights at 97% of the positions at least (over these
-    two: 127/128 for Q4_0, Q4_1, Q5_0 and Q5_1, 126 for Q8_0; with one activation plane in the down
-    projections' decode Q4_0 was 124)."""
+    jit device's top token is the interpreter's on the same weights at 97% of the positions at least. Over
+    all four prompts (4 x 64 positions) on the 2-core Xeon: Q4_0 252, Q4_1 251, Q5_0 251, Q5_1 255, Q8_0 254.
+    Two prompts were too few to judge 97% by: there the interpreter's OpenBLAS rounds otherwise than on the
+    Zen 3 machine, and Q4_1 agreed at 124/128 (127 on Zen 3) with the same jit code."""
     import dataclasses
 
     from lse_core.model.gguf import load_gguf
@@ -574,7 +575,7 @@ def test_each_quant_type_decodes_the_interpreters_top_token(jit, qtype):
             blocks = quants.quantize(weight.dequantize(), GGMLQuantizationType[qtype])
             requantized[id(weight)] = QuantTensor(qtype, blocks, weight.shape)
     model = dataclasses.replace(model, weights={name: requantized.get(id(w), w) for name, w in model.weights.items()})
-    agree, total = top1_agreement(model, jit, QUESTIONS[:2], 64)
+    agree, total = top1_agreement(model, jit, QUESTIONS, 64)
     print(f"{qtype}: top-1 agreement {agree}/{total}")
     assert agree >= 0.97 * total
 
