@@ -37,19 +37,19 @@ def _horizontal(builder: ir.IRBuilder, value: ir.Value, combine) -> ir.Value:
 
 
 def _make_quantize_block(planes: int):
-    """An intrinsic ``quantize_block(x, values, b)``: block b of the 1-D float32 row x as int8 (see the
-    module doc), its 32 values stored in order at byte 32 b of ``values``, and with two planes the second
-    plane's len(x) bytes after the first's; returns (the scale, the scale * sum(xq)): xs, or with
+    """An intrinsic ``quantize_block(x, values, b, at, plane_bytes)``: block b of the 1-D float32 row x as
+    int8 (see the module doc), its 32 values stored in order at byte ``at`` of ``values``, and with two planes
+    the second plane's ``plane_bytes`` bytes after the first's; returns (the scale, the scale * sum(xq)): xs, or with
     two planes xs / PLANE_SCALE; NaN for a block with a NaN or an infinity. Its largest |x| is an integer
     max of the bits (the order of non-negative floats, infinities and NaNs above all), so no NaN is lost on
     the way."""
     return intrinsic(functools.partial(_quantize_block, planes))
 
 
-def _quantize_block(planes, typingctx, x, values_array, b):
+def _quantize_block(planes, typingctx, x, values_array, b, at, plane_bytes):
     if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in (x, values_array)):
         raise TypingError("blocks are quantized from and to C-contiguous 1-D arrays")
-    sig = types.UniTuple(types.float32, 2)(x, values_array, b)
+    sig = types.UniTuple(types.float32, 2)(x, values_array, b, at, plane_bytes)
 
     def codegen(context, builder, signature, args):
         x_a, values_a = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1))
@@ -82,8 +82,7 @@ def _quantize_block(planes, typingctx, x, values_array, b):
             combined = [builder.add(builder.mul(q, vector(PLANE_SCALE, v8i32)), r) for q, r in zip(*stored)]
         total = _horizontal(builder, builder.add(builder.add(combined[0], combined[1]),
                                                  builder.add(combined[2], combined[3])), builder.add)
-        plane_bytes = builder.extract_value(x_a.shape, 0)   # a plane holds a byte per value of the row
-        block_at = builder.mul(block, integer(BLOCK))
+        block_at, plane_bytes = (context.cast(builder, args[i], signature.args[i], types.intp) for i in (3, 4))
         for plane, plane_quants in enumerate(stored):
             narrow = [builder.trunc(q, v8i8) for q in plane_quants]
             halves = [builder.shuffle_vector(narrow[i], narrow[i + 1],
@@ -134,7 +133,13 @@ def quantize_compact(x: np.ndarray, scratch: np.ndarray, planes: int = 1) -> Non
     for t in range(x.shape[0]):
         values = scratch[t, 2 * n_blocks:].view(np.int8)
         for b in range(n_blocks):
-            if planes == 2:
-                scratch[t, b], scratch[t, n_blocks + b] = _quantize_planes(x[t], values, b)
-            else:
-                scratch[t, b], scratch[t, n_blocks + b] = _quantize_in_order(x[t], values, b)
+            scratch[t, b], scratch[t, n_blocks + b] = quantize_block(x[t], values, b, b * BLOCK, x.shape[1], planes)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def quantize_block(x, values, b, at, plane_bytes, planes):
+    """Block b of row x as int8 in ``planes`` planes, stored at byte ``at`` of values (a second plane
+    ``plane_bytes`` after it): (the scale, the scale * sum(xq)), as ``quantize_compact`` writes them."""
+    if planes == 2:
+        return _quantize_planes(x, values, b, at, plane_bytes)
+    return _quantize_in_order(x, values, b, at, plane_bytes)

@@ -696,7 +696,7 @@ def _make_amx_unpack(kind: int):
 def _make_amx_tile(kind: int, planes: int):
     """An intrinsic ``amx_tile(panel, g, g_last, x_tiles, i, t0, out)``: out[t0 + c, rows of groups g and g + 1
     (clamped to g_last)] for c < 16, from the panel ``amx_unpack`` wrote for g and token tile i of the int8
-    activations ``_amx_layout`` laid out in ``planes`` planes (its tokens t0 .. t0 + 15). Per block, the tile
+    activations ``_amx_quantize`` laid out in ``planes`` planes (its tokens t0 .. t0 + 15). Per block, the tile
     instruction gives each plane's (Q6_K: each half block's) exact int32 dot products, and the float
     operations after it are the GEMM tiles' (``_make_gemm_tile``), in their order, on 16 rows a vector: the
     same bits as theirs. The tile instructions of the next block run while the vector units scale this
@@ -1046,7 +1046,7 @@ def _int8_groups(kind, planes, w, x, out, g0, g1, rows, scratch):
 @njit(cache=True, nogil=True)
 def _amx_tiles(scratch, x, planes):
     """The part of ``scratch`` after x's compact int8 rows that holds them as the AMX tiles read them
-    (``_amx_layout``), from a cache line on: [token tiles, blocks x ``_amx_x_block(planes)`` bytes]."""
+    (``_amx_quantize``), from a cache line on: [token tiles, blocks x ``_amx_x_block(planes)`` bytes]."""
     n_tokens, n_blocks = x.shape[0], x.shape[1] // BLOCK
     n_tiles, x_block = (n_tokens + AMX_TOKENS - 1) // AMX_TOKENS, planes * AMX_TOKENS * BLOCK + 2 * 4 * AMX_TOKENS
     rest = scratch[n_tokens * int8.compact_width(x.shape[1], planes):].view(np.uint8)
@@ -1055,27 +1055,22 @@ def _amx_tiles(scratch, x, planes):
 
 
 @njit(cache=True, nogil=True)
-def _amx_layout(rows, tiles, planes):
-    """x's int8 activations (``rows``, ``int8.quantize_compact``'s) to ``tiles`` (``_amx_tiles``) as the AMX
-    tiles read them: per tile of 16 tokens (the last one's the 16 last tokens, overlapping the tile before)
-    and block, each plane's 16 x 32 values, then the 16 tokens' scales and their sums."""
-    n_tokens, n_blocks = rows.shape[0], tiles.shape[1] // (planes * AMX_TOKENS * BLOCK + 2 * 4 * AMX_TOKENS)
+def _amx_quantize(x, tiles, planes):
+    """x's rows as int8 (``int8.quantize_block``, the same bytes and scales ``int8.quantize_compact`` gives)
+    laid out in ``tiles`` (``_amx_tiles``) as the AMX tiles read them: per tile of 16 tokens (the last one's
+    the 16 last tokens, overlapping the tile before) and block, each plane's 16 x 32 values, then the 16
+    tokens' scales and their sums."""
+    n_tokens, n_blocks = x.shape[0], x.shape[1] // BLOCK
     x_block, plane_bytes = tiles.shape[1] // n_blocks, AMX_TOKENS * BLOCK
     for i in range(tiles.shape[0]):
         t0 = min(i * AMX_TOKENS, n_tokens - AMX_TOKENS)
         tile = tiles[i]
         heads = tile.view(np.float32)
         for c in range(AMX_TOKENS):
-            row = rows[t0 + c]
-            values = row[2 * n_blocks:].view(np.uint8)
             for b in range(n_blocks):
-                at = b * x_block
-                for p in range(planes):
-                    to, source = at + p * plane_bytes + c * BLOCK, (p * n_blocks + b) * BLOCK
-                    for j in range(BLOCK):
-                        tile[to + j] = values[source + j]
-                head = (at + planes * plane_bytes) // 4 + c
-                heads[head], heads[head + AMX_TOKENS] = row[b], row[n_blocks + b]
+                head = (b * x_block + planes * plane_bytes) // 4 + c
+                heads[head], heads[head + AMX_TOKENS] = int8.quantize_block(
+                    x[t0 + c], tile, b, b * x_block + c * BLOCK, plane_bytes, planes)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -1176,10 +1171,9 @@ def quantize_activations(kind: int, x: np.ndarray, scratch: np.ndarray, row_inva
     where it meets this weight in them. Other kinds and steps: nothing."""
     planes = _compact_planes(kind, x.shape[0], row_invariant, wide)
     if planes:
-        rows = _scratch_rows(kind, scratch, x, row_invariant, wide)
-        int8.quantize_compact(x, rows, planes)
-        if _amx_step(kind, x.shape[0], row_invariant):
-            _amx_layout(rows, _amx_tiles(scratch, x, planes), planes)
+        int8.quantize_compact(x, _scratch_rows(kind, scratch, x, row_invariant, wide), planes)
+        if _amx_step(kind, x.shape[0], row_invariant):   # quantized again: cheaper than moving the bytes
+            _amx_quantize(x, _amx_tiles(scratch, x, planes), planes)
 
 
 # Work items: a product splits into items of about ITEM_WORK block-rows x tokens (~5 us here, where
