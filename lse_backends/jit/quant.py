@@ -1045,13 +1045,13 @@ def _int8_groups(kind, planes, w, x, out, g0, g1, rows, scratch):
 
 @njit(cache=True, nogil=True)
 def _amx_tiles(scratch, x, planes):
-    """The part of ``scratch`` after x's compact int8 rows that holds them as the AMX tiles read them
-    (``_amx_quantize``), from a cache line on: [token tiles, blocks x ``_amx_x_block(planes)`` bytes]."""
+    """``scratch`` as x's int8 activations in the AMX tiles' layout (``_amx_quantize``), from its first cache
+    line: [token tiles, blocks x ``_amx_x_block(planes)`` bytes] (in place of the compact rows)."""
     n_tokens, n_blocks = x.shape[0], x.shape[1] // BLOCK
     n_tiles, x_block = (n_tokens + AMX_TOKENS - 1) // AMX_TOKENS, planes * AMX_TOKENS * BLOCK + 2 * 4 * AMX_TOKENS
-    rest = scratch[n_tokens * int8.compact_width(x.shape[1], planes):].view(np.uint8)
-    skip = -rest.ctypes.data % amx.ROW_BYTES
-    return rest[skip:skip + n_tiles * n_blocks * x_block].reshape(n_tiles, n_blocks * x_block)
+    whole = scratch.view(np.uint8)
+    skip = -whole.ctypes.data % amx.ROW_BYTES
+    return whole[skip:skip + n_tiles * n_blocks * x_block].reshape(n_tiles, n_blocks * x_block)
 
 
 @njit(cache=True, nogil=True)
@@ -1071,6 +1071,27 @@ def _amx_quantize(x, tiles, planes):
                 head = (b * x_block + planes * plane_bytes) // 4 + c
                 heads[head], heads[head + AMX_TOKENS] = int8.quantize_block(
                     x[t0 + c], tile, b, b * x_block + c * BLOCK, plane_bytes, planes)
+
+
+@njit(cache=True, nogil=True)
+def _amx_dequantize(x, tiles, planes):
+    """x as the AMX tiles see it (``int8.dequantize`` of what ``_amx_quantize`` wrote to ``tiles``)."""
+    n_tokens, n_blocks = x.shape[0], x.shape[1] // BLOCK
+    x_block, plane_bytes = tiles.shape[1] // n_blocks, AMX_TOKENS * BLOCK
+    seen = np.empty(x.shape, np.float32)
+    for i in range(tiles.shape[0]):
+        t0 = min(i * AMX_TOKENS, n_tokens - AMX_TOKENS)
+        values, heads = tiles[i].view(np.int8), tiles[i].view(np.float32)
+        for c in range(AMX_TOKENS):
+            for b in range(n_blocks):
+                scale = heads[(b * x_block + planes * plane_bytes) // 4 + c]
+                for j in range(BLOCK):
+                    at = b * x_block + c * BLOCK + j
+                    xq = np.float32(values[at])
+                    if planes == 2:
+                        xq = np.float32(PLANE_SCALE) * xq + np.float32(values[at + plane_bytes])
+                    seen[t0 + c, b * BLOCK + j] = scale * xq
+    return seen
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -1150,9 +1171,10 @@ def activation_scratch(n_tokens: int, width: int) -> np.ndarray:
     """A thread's scratch (each thread quantizes what it multiplies) for ``quantize_activations`` of any
     step's products, x of up to n_tokens rows of up to ``width`` activations, in up to two planes."""
     size = n_tokens * int8.compact_width(width, 2)
-    if AMX:   # and after them the same as AMX tiles read them, from a cache line (_amx_tiles)
+    if AMX:   # or as AMX tiles read them, from a cache line (_amx_tiles)
         n_tiles = (n_tokens + AMX_TOKENS - 1) // AMX_TOKENS
-        size += (n_tiles * (width // BLOCK) * (2 * AMX_TOKENS * BLOCK + 2 * 4 * AMX_TOKENS) + amx.ROW_BYTES) // 4
+        tiles = n_tiles * (width // BLOCK) * (2 * AMX_TOKENS * BLOCK + 2 * 4 * AMX_TOKENS) + amx.ROW_BYTES
+        size = max(size, (tiles + 3) // 4)
     return np.empty(size, np.float32)
 
 
@@ -1167,13 +1189,14 @@ def _scratch_rows(kind, scratch, x, row_invariant, wide):
 @njit(cache=True, nogil=True)
 def quantize_activations(kind: int, x: np.ndarray, scratch: np.ndarray, row_invariant: bool = False,
                          wide: int = WIDE_PREFILL) -> None:
-    """What the GEMM tiles read: x as int8 in scratch (``activation_scratch``, ``int8.quantize_compact``)
-    where it meets this weight in them. Other kinds and steps: nothing."""
+    """What the GEMM tiles read: x as int8 in scratch (``activation_scratch``, ``int8.quantize_compact``, or
+    in AMX steps ``_amx_quantize``) where it meets this weight in them. Other kinds and steps: nothing."""
     planes = _compact_planes(kind, x.shape[0], row_invariant, wide)
     if planes:
-        int8.quantize_compact(x, _scratch_rows(kind, scratch, x, row_invariant, wide), planes)
-        if _amx_step(kind, x.shape[0], row_invariant):   # quantized again: cheaper than moving the bytes
+        if _amx_step(kind, x.shape[0], row_invariant):
             _amx_quantize(x, _amx_tiles(scratch, x, planes), planes)
+        else:
+            int8.quantize_compact(x, _scratch_rows(kind, scratch, x, row_invariant, wide), planes)
 
 
 # Work items: a product splits into items of about ITEM_WORK block-rows x tokens (~5 us here, where
@@ -1210,7 +1233,9 @@ def linear_pairs(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, 
     if p1 < linear_items_most(n_rows) or n_rows % GROUP == 0:
         return g0 * GROUP, g1 * GROUP
     planes = _compact_planes(kind, x.shape[0], row_invariant, wide)
-    if planes:  # as the tiles saw x
+    if planes and _amx_step(kind, x.shape[0], row_invariant):  # as the tiles saw x
+        x = _amx_dequantize(x, _amx_tiles(scratch, x, planes), planes)
+    elif planes:
         x = int8.dequantize(x, _scratch_rows(kind, scratch, x, row_invariant, wide), planes)
     weights = np.empty(x.shape[1], np.float32)
     for row in range(full_groups * GROUP, n_rows):
