@@ -24,7 +24,7 @@ from numba.core.errors import NumbaPendingDeprecationWarning
 
 from lse_core.graph.ir import Step
 
-from . import atomics, attention, cache, kernels, quant
+from . import atomics, attention, cache, kernels, quant, sampling
 
 # instruction ops
 EMBED, EMBED_Q, RMS_NORM, LINEAR, LINEAR_Q, ROPE, ATTENTION, FUSED, LAST_ROWS = range(9)
@@ -305,12 +305,14 @@ def execute(kernels, code, floats, acts, flats, rows, mats, qmats, vecs, caches,
 _KERNELS = {"work": (_work, types.FunctionType(_WORK_SIGNATURE)), "run": (_run, _RUN),
             "linear_pairs": (quant.linear_pairs, _LINEAR_PAIRS), "store_kv": (attention.store_kv, _STORE_KV),
             "attention": (attention.attention, _ATTENTION)}
-# The kernels a second process compiles on a cold start (``compile_second_share``), with the code their
-# types alone decide, while this one compiles the rest: about half the CPU time (measured cold, one process,
-# on the 2-core Zen 3: _work 3.3 s, _run 5.2, store_kv 3.7 and _listed 2.1 here; linear_pairs 4.2,
-# attention 4.7, the typed lists' builders 2.7 and execute 2.1 there, which starts earlier)
+# The kernels a second process compiles on a cold start (``compile_second_share``), with code whose types are
+# known without them, while this one compiles the rest: about half the CPU time each (measured cold, one
+# process, on the 2-core Zen 3: _work 3.3 s, _run 5.2, store_kv 3.7, _listed 2.1 and execute 2.1 here;
+# linear_pairs 4.2, attention 4.7, the typed lists' builders 2.7 and sampling.sample 0.7 there, which starts
+# earlier). linear_pairs has since grown (9.1 s on Zen 3 after the two-plane tiles, 8.7 s on the AMX Xeon)
+# and execute moved here: on the Xeon the second share took 17.0-17.6 s with it, this one waiting.
 SECOND_PROCESS = ("linear_pairs", "attention")
-SECOND_SHARE = ", ".join(SECOND_PROCESS) + " and execute"   # as the log lines name it
+SECOND_SHARE = ", ".join(SECOND_PROCESS) + " and sampling"   # as the log lines name it
 
 
 @njit(cache=True)
@@ -342,13 +344,14 @@ def compile_kernels(names: Sequence[str]) -> None:
 
 
 def compile_second_share() -> None:
-    """What the second process compiles: SECOND_PROCESS's kernels, then the code that only their types
-    decide (the typed lists' builders, ``_listed``, ``execute``), all of it loaded from the cache here later."""
+    """What the second process compiles: SECOND_PROCESS's kernels, then code whose types are known without
+    a model (the typed lists' builders, and sampling.sample, which a step's first token would compile after
+    the program), all of it loaded from the cache here later."""
     compile_kernels(SECOND_PROCESS)
     for element in _LIST_TYPES.values():
         if isinstance(element, types.Array):
             _array_list.compile((types.List(element, reflected=True), types.int64))
-    execute.compile(_EXECUTE_SIGNATURE)
+    sampling.sample.compile(sampling.SAMPLE_TYPES)
 
 
 @functools.cache
@@ -375,6 +378,7 @@ def compiled_kernels() -> tuple[typed.List, ...]:
     beside = second_compile()
     compile_kernels([name for name in _KERNELS if name not in SECOND_PROCESS])
     _listed.compile(_LISTED)
+    execute.compile(_EXECUTE_SIGNATURE)   # only the kernels' types decide it
     if beside is not None:
         beside.join()
     compile_kernels(SECOND_PROCESS)   # loads what the second process compiled (or, should it have failed, compiles)

@@ -7,7 +7,7 @@ A logits processor copies its input into ``out`` and rewrites the rows whose ``n
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
 
 NEG_INF = np.float32(-np.inf)
 
@@ -101,6 +101,12 @@ def min_p(logits, needed, min_p, out):
         for j in range(probs.shape[0]):
             if probs[j] < cut:
                 out[i, j] = NEG_INF
+
+
+# sample's argument types as a step calls it (logits a program's output or a sampling op's np.empty_like of
+# it; runner.sampling_arrays' float32 temperature and uniform): compiled ahead on a cold start (program.py).
+# The types alone, no return type: numba's disk cache keys an entry by the signature as compile was given it.
+SAMPLE_TYPES = (types.float32[:, ::1], types.float32[::1], types.float32[::1], types.int32[::1])
 
 
 @njit(cache=True)
