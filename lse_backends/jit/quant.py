@@ -713,7 +713,7 @@ def _make_amx_tile(kind: int, planes: int):
     shapes |= {4 + c: (amx.ROWS, 4 * quads) for c in range(products)}
     shapes |= {values_tile(span, parity): (quads, amx.ROW_BYTES) for span in range(spans) for parity in (0, 1)}
     product_bytes = amx.ROWS * amx.ROW_BYTES
-    x_block, plane_bytes = _amx_x_block(planes), AMX_TOKENS * BLOCK
+    x_block, plane_bytes = _amx_x_block.py_func(planes), AMX_TOKENS * BLOCK
 
     @intrinsic
     def amx_tile(typingctx, panel, g, g_last, x_tiles, i, t0, out):
@@ -813,9 +813,19 @@ def _make_amx_tile(kind: int, planes: int):
     return amx_tile
 
 
-def _amx_x_block(planes: int) -> int:
-    """Bytes of a token tile's block in ``_amx_activations``: each plane's 16 x 32 values, 16 scales, 16 sums."""
+@njit(cache=True, nogil=True, inline="always")
+def _amx_x_block(planes):
+    """Bytes of a token tile's block in ``_amx_quantize``'s layout: each plane's 16 x 32 values, 16 scales,
+    16 sums."""
     return planes * AMX_TOKENS * BLOCK + 2 * 4 * AMX_TOKENS
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _from_a_line(buffer, rows, row_bytes):
+    """[rows, row_bytes] of byte array ``buffer`` (row_bytes more than that), from its first cache line on:
+    tile rows loaded and stored whole, never split across lines."""
+    skip = -buffer.ctypes.data % amx.ROW_BYTES
+    return buffer[skip:skip + rows * row_bytes].reshape(rows, row_bytes)
 
 
 
@@ -1048,10 +1058,8 @@ def _amx_tiles(scratch, x, planes):
     """``scratch`` as x's int8 activations in the AMX tiles' layout (``_amx_quantize``), from its first cache
     line: [token tiles, blocks x ``_amx_x_block(planes)`` bytes] (in place of the compact rows)."""
     n_tokens, n_blocks = x.shape[0], x.shape[1] // BLOCK
-    n_tiles, x_block = (n_tokens + AMX_TOKENS - 1) // AMX_TOKENS, planes * AMX_TOKENS * BLOCK + 2 * 4 * AMX_TOKENS
-    whole = scratch.view(np.uint8)
-    skip = -whole.ctypes.data % amx.ROW_BYTES
-    return whole[skip:skip + n_tiles * n_blocks * x_block].reshape(n_tiles, n_blocks * x_block)
+    n_tiles = (n_tokens + AMX_TOKENS - 1) // AMX_TOKENS
+    return _from_a_line(scratch.view(np.uint8), n_tiles, n_blocks * _amx_x_block(planes))
 
 
 @njit(cache=True, nogil=True)
@@ -1110,10 +1118,8 @@ def _amx_groups(kind, planes, w, x, out, g0, g1, rows, scratch):
         _int8_groups(kind, planes, w, x, out, g0, g1, rows, scratch)
     else:
         x_tiles = _amx_tiles(scratch, x, planes)
-        n_bytes = x.shape[1] // BLOCK * AMX_BLOCK
-        whole = np.empty(n_bytes + amx.ROW_BYTES, np.uint8)   # the panel's tile rows aligned to cache lines
-        skip = -whole.ctypes.data % amx.ROW_BYTES
-        panel = whole[skip:skip + n_bytes].reshape(x.shape[1] // BLOCK, AMX_BLOCK)
+        n_blocks = x.shape[1] // BLOCK
+        panel = _from_a_line(np.empty(n_blocks * AMX_BLOCK + amx.ROW_BYTES, np.uint8), n_blocks, AMX_BLOCK)
         for g in range(g0, g1, AMX_GROUPS):
             _amx_unpack(kind, w, g, g1 - 1, panel)
             for i in range(x_tiles.shape[0]):
@@ -1173,7 +1179,7 @@ def activation_scratch(n_tokens: int, width: int) -> np.ndarray:
     size = n_tokens * int8.compact_width(width, 2)
     if AMX:   # or as AMX tiles read them, from a cache line (_amx_tiles)
         n_tiles = (n_tokens + AMX_TOKENS - 1) // AMX_TOKENS
-        tiles = n_tiles * (width // BLOCK) * (2 * AMX_TOKENS * BLOCK + 2 * 4 * AMX_TOKENS) + amx.ROW_BYTES
+        tiles = n_tiles * (width // BLOCK) * _amx_x_block(2) + amx.ROW_BYTES
         size = max(size, (tiles + 3) // 4)
     return np.empty(size, np.float32)
 
