@@ -59,7 +59,7 @@ SHAPES = {
     "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, 128256, True, False, 5e5, 1e-5, 131072),
 }
 # llama.cpp's ftype (llama_ftype) for each quant type of the matrix
-QUANTS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q8_0": 7, "Q4_K_M": 15}
+QUANTS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17}
 
 
 def cache_dir() -> Path:

@@ -263,27 +263,61 @@ def test_q4_k_is_laid_out_as_runs_of_q4_1_blocks_whose_scale_and_min_share_the_s
         quant.prepare("Q4_K", blocks[:, 1:])
 
 
-def test_q6_k_is_laid_out_as_runs_of_q8_0_blocks_with_a_scale_per_half_sharing_the_super_blocks_f16_d():
-    """Q6_K's 210-byte super-blocks become runs of 274 bytes: the super-block's f16 d once, then eight 34-byte
-    blocks (the block's two int8 sc, the 32 values as int8): 1.07 bytes a value, d sc (q - 32) as gguf's;
+def packed_values(quants: np.ndarray, high_bits: int) -> np.ndarray:
+    """A block's 32 values from its 16 bytes of nibbles (byte j: elements j and j + 16) and 4 high_bits bytes
+    of high bits (element 4 p + e + 16 h's at bit a % 8 of byte 4 (a // 8) + e, a = high_bits (2 p + h)),
+    as quant.LAYOUT's comment lays Q6_K and Q5_K out, in numpy."""
+    values = np.empty(32, np.int64)
+    for i in range(32):
+        h, j = divmod(i, 16)
+        a = high_bits * (2 * (j // 4) + h)
+        high = int(quants[16 + 4 * (a // 8) + j % 4]) >> (a % 8) & ((1 << high_bits) - 1)
+        values[i] = (int(quants[j]) >> (4 * h) & 15) | high << 4
+    return values
+
+
+def test_q6_k_is_laid_out_as_runs_of_packed_blocks_with_a_scale_per_half_sharing_the_super_blocks_f16_d():
+    """Q6_K's 210-byte super-blocks become runs of 210 bytes, GGUF's size: the super-block's f16 d once, then
+    eight 26-byte blocks (the block's two int8 sc, the 6-bit values as 16 bytes of nibbles and 8 of high
+    bits): d sc (q - 32) as gguf's; in a row group each block's quant bytes four bytes of a row at a time;
     dequantized back (embed_rows above), gguf's bit for bit."""
     blocks, dense = gguf_weight("Q6_K", 37, 512)
     kind, laid_out = quant.prepare("Q6_K", blocks)
-    assert kind == quant.KINDS["Q6_K"] and laid_out.shape == (37, 512 // 256 * 274)
-    for r, run in enumerate(laid_out[36].reshape(-1, 274)):   # a row kept as one-row runs
-        for b, block in enumerate(run[2:].reshape(8, 34)):
+    assert kind == quant.KINDS["Q6_K"] and laid_out.shape == (37, 512 // 256 * 210)
+    for r, run in enumerate(laid_out[36].reshape(-1, 210)):   # a row kept as one-row runs
+        for b, block in enumerate(run[2:].reshape(8, 26)):
             d, d2 = k_header(run[:2], block[:2])
-            values = block[2:].view(np.int8).astype(np.float32)
+            values = (packed_values(block[2:], 2) - 32).astype(np.float32)
             np.testing.assert_array_equal(np.concatenate([d * values[:16], d2 * values[16:]]),
                                           dense[36, 256 * r + 32 * b:256 * r + 32 * b + 32])
-    run = laid_out[:8].reshape(-1)[8 * 274:2 * 8 * 274]        # the first group's second run
-    block = run[8 * 2 + 5 * 8 * 34:][:8 * 34]                  # its sixth block
+    run = laid_out[:8].reshape(-1)[8 * 210:2 * 8 * 210]        # the first group's second run
+    block = run[8 * 2 + 5 * 8 * 26:][:8 * 26]                  # its sixth block
     d, d2 = k_header(run[:8 * 2], block[:16], rows=8)
-    values = block[16:].view(np.int8).astype(np.float32).reshape(8, 8, 4)   # four bytes of a row together
-    np.testing.assert_array_equal(d * values[0, :, 0], dense[:8, 256 + 160])
-    np.testing.assert_array_equal(d2 * values[4, :, 0], dense[:8, 256 + 176])
+    quants = block[16:].reshape(6, 8, 4).transpose(1, 0, 2).reshape(8, 24)   # four bytes of a row together
+    values = np.array([packed_values(row, 2) - 32 for row in quants], np.float32)
+    np.testing.assert_array_equal(d[:, None] * values[:, :16], dense[:8, 256 + 160:256 + 176])
+    np.testing.assert_array_equal(d2[:, None] * values[:, 16:], dense[:8, 256 + 176:256 + 192])
     with pytest.raises(ValueError):
         quant.prepare("Q6_K", blocks[:, 1:])
+
+
+@pytest.mark.parametrize("qtype", ["Q5_K", "Q5_1"])
+def test_q5_k_and_q5_1_are_laid_out_as_packed_blocks_with_a_scale_and_a_min(qtype):
+    """Q5_K (and Q5_1) become 26-byte blocks of 32 values: f16 fields d and m, their int8 multipliers (Q5_K's
+    sc and m; Q5_1's ones), then the 5-bit values as 16 bytes of nibbles and 4 of fifth bits: d q + m as
+    gguf's; in a row group each piece eight rows' together, the quant bytes four of a row at a time."""
+    blocks, dense = gguf_weight(qtype, 37, 512)
+    kind, laid_out = quant.prepare(qtype, blocks)
+    assert kind == quant.KINDS[qtype] == quant.Q5_K and laid_out.shape == (37, 512 // 32 * 26)
+    for b, block in enumerate(laid_out[36].reshape(-1, 26)):   # a row kept as one-row blocks
+        d, m = k_header(block[:4], block[4:6])
+        np.testing.assert_array_equal(d * packed_values(block[6:], 1).astype(np.float32) + m,
+                                      dense[36, 32 * b:32 * b + 32])
+    block = laid_out[:8].reshape(-1)[3 * 8 * 26:4 * 8 * 26]    # the first group's fourth block
+    d, m = k_header(block[:8 * 4], block[8 * 4:8 * 6], rows=8)
+    quants = block[8 * 6:].reshape(5, 8, 4).transpose(1, 0, 2).reshape(8, 20)
+    values = np.array([packed_values(row, 1) for row in quants], np.float32)
+    np.testing.assert_array_equal(d[:, None] * values + m[:, None], dense[:8, 96:128])
 
 
 @pytest.mark.parametrize("qtype", [*QTYPES, *K_BLOCKS, "Q5_0", "Q5_1"])

@@ -11,8 +11,9 @@ elsewhere. Q4 weights take two int8 planes, 15 bits a value (``int8``), in the s
 ``wide`` names (every product's prefill, a gated MLP's down projection's decode too), the byte kinds in
 their one-token steps (``_planes``).
 Q4_K is read as Q4_1 blocks whose d and m are d sc and -dmin m (``_from_q4_k``: the same values, 0.578
-bytes each), Q6_K as Q8_0 blocks with a d sc for each half (``_from_q6_k``, 1.07 bytes each), Q5_K as Q8_0
-blocks with a d and an m (``_from_q5_k``, 1.1875 bytes each), each of those scales stored as the super-block's
+bytes each), Q6_K as blocks with a d sc for each half (``_from_q6_k``, 0.82 bytes each), Q5_K as blocks with
+a d and an m (``_from_q5_k``, 0.8125 bytes each), their values' bits as GGUF's (nibbles and high bits, which
+the tiles turn into Q8_0's bytes: ``_bytes``), each of those scales stored as the super-block's
 f16 field and the block's int8 multiplier (LAYOUT), multiplied in the tiles: on SmolLM2-shaped layers, one
 thread, a decode token 4.7x (Q4_K), 2.6x (Q6_K) and 2.5x (Q5_K) faster than through the float32 copy they
 used to be decoded to (measured when the scales were float32, 0.75 and 1.25 bytes a value). Q5_0 is read in
@@ -134,16 +135,21 @@ KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K, "
 # Header fields are f16 (FIELD bytes). The converted kinds' headers are f16 fields and then MULTIPLIERS[kind]
 # int8 multipliers, header value i being f16 field min(i, FIELDS - 1) times multiplier i, as GGUF's K types
 # store d sc and dmin m (exact in float32: 11 + 8 significant bits): Q4_K is laid out as Q4_1 blocks whose d
-# and m are d sc and -dmin m (_from_q4_k); Q6_K as Q8_0 blocks with a d for each half of the block, d sc0 and
-# d sc1 (_from_q6_k); Q5_K as Q8_0 blocks with a d and an m, each value d q + m (_from_q5_k). Q5_0 is read
-# as GGUF stores it, d and 4 bytes of fifth bits, then the nibbles; in a group block the fifth bits are
-# rearranged to be cheap to apply (_q5_0_fifth_bits).
+# and m are d sc and -dmin m (_from_q4_k); Q6_K as blocks with a d for each half of the block, d sc0 and
+# d sc1, each value d (q - 32) (_from_q6_k); Q5_K as blocks with a d and an m, each value d q + m
+# (_from_q5_k). Q5_0 is read as GGUF stores it, d and 4 bytes of fifth bits, then the nibbles; in a group
+# block the fifth bits are rearranged to be cheap to apply (_q5_0_fifth_bits).
+# Q6_K's and Q5_K's values keep their GGUF bits (6 and 5): a block's 16 bytes of nibbles as Q4's, then
+# 4 HIGH_BITS[kind] bytes of the rest (_packed_values), which the tiles rebuild into the bytes Q8_0's hold
+# (_bytes). As whole bytes (34 and 38 a block) they made a Q4_K_M model's decode step stream 1.1x, and a
+# Q5_K_M one's 1.6x, the bytes of its file.
 # Q4_K's and Q6_K's f16 fields (d and -dmin; d) are their super-block's, so they are held once per SUPER
 # blocks, SHARED[kind] of them before the run of blocks they serve (a group's eight rows' together), and
-# their blocks hold the multipliers and the quants alone: 18.5 and 34.25 bytes per 32 values instead of 22
-# and 36, the bytes a decode step streams (one thread-pair streaming 8192 x 2048 Q4_K, Zen 3: 0.335 -> 0.287
+# their blocks hold the multipliers and the quants alone: 18.5 and 26.25 bytes per 32 values (GGUF's 18 and
+# 26.25), the bytes a decode step streams (one thread-pair streaming 8192 x 2048 Q4_K, Zen 3: 0.335 -> 0.287
 # ms, 34 GB/s either way). The other kinds' fields are in each block's header.
-LAYOUT = ((18, 2), (20, 4), (34, 2), (18, 2), (34, 2), (38, 6), (22, 6))
+LAYOUT = ((18, 2), (20, 4), (34, 2), (18, 2), (26, 2), (26, 6), (22, 6))
+HIGH_BITS = (0, 0, 0, 0, 2, 1, 0)   # bits of a value past its nibble, held after the block's nibbles
 FIELD = 2
 MULTIPLIERS = (0, 0, 0, 2, 2, 2, 0)
 SHARED = (0, 0, 0, 2, 1, 0, 0)
@@ -232,13 +238,38 @@ def _scales(builder: ir.IRBuilder, block: ir.Value, fields: ir.Value, kind: int,
     return builder.fmul(field, builder.sitofp(builder.sext(multiplier, v8i32), v8f32))
 
 
-def _quants(builder: ir.IRBuilder, quants: ir.Value) -> Iterator[tuple[int, ir.Value]]:
-    """(element index, <8 x float> of that element's eight rows) for a byte-valued block's 32 elements
+def _shift_bytes(builder: ir.IRBuilder, value: ir.Value, shift: int) -> ir.Value:
+    """Each byte of ``value`` (<32 x i8>) shifted left by ``shift`` bits, or right by -shift."""
+    if shift > 0:
+        return builder.shl(value, vector(shift, v32i8))
+    return builder.lshr(value, vector(-shift, v32i8)) if shift < 0 else value
+
+
+def _bytes(builder: ir.IRBuilder, kind: int, block: ir.Value, p: int) -> ir.Value:
+    """<32 x i8>: quant load p of a byte kind's (Q8_0, Q6_K, Q5_K) group block at ``block``, elements
+    4 p .. 4 p + 3 of a row in each 32-bit lane, as the tiles multiply them: Q8_0's bytes as stored; Q6_K's
+    q - 32 and Q5_K's q, rebuilt from the nibbles and HIGH_BITS of each element (see ``_packed_values``)."""
+    quants = GROUP * LAYOUT[kind][1]
+    high_bits = HIGH_BITS[kind]
+    if not high_bits:
+        return load(builder, block, quants + 32 * p, v32i8)
+    half, nibble_load = divmod(p, 4)     # element 4 p + e is nibble ``half`` of byte 4 nibble_load + e
+    raw = load(builder, block, quants + 32 * nibble_load, v32i8)
+    value = builder.lshr(raw, vector(4, v32i8)) if half else builder.and_(raw, vector(15, v32i8))
+    at = high_bits * (2 * nibble_load + half)   # its high bits' place in the row's high bytes, as a bit index
+    high = load(builder, block, quants + 32 * (4 + at // 8), v32i8)
+    mask = vector(((1 << high_bits) - 1) << 4, v32i8)
+    value = builder.or_(value, builder.and_(_shift_bytes(builder, high, 4 - at % 8), mask))
+    return builder.sub(value, vector(32, v32i8)) if kind == Q6_K else value
+
+
+def _quants(builder: ir.IRBuilder, kind: int, block: ir.Value) -> Iterator[tuple[int, ir.Value]]:
+    """(element index, <8 x float> of that element's eight rows) for a byte kind's block's 32 elements
     (Q8_0, Q6_K, Q5_K), in load order, so that the caller consumes each vector as it is made (fewer live
-    registers): each 32-bit lane of a load holds four of a row's bytes, byte e moved to the top and
-    shifted back down with its sign."""
+    registers): each 32-bit lane of a load (``_bytes``) holds four of a row's bytes, byte e moved to the
+    top and shifted back down with its sign."""
     for p in range(BLOCK // 4):
-        rows = load(builder, quants, 32 * p, v8i32)
+        rows = builder.bitcast(_bytes(builder, kind, block, p), v8i32)
         for e in range(4):
             top = builder.shl(rows, vector(24 - 8 * e, v8i32)) if e < 3 else rows
             yield 4 * p + e, builder.sitofp(builder.ashr(top, vector(24, v8i32)), v8f32)
@@ -259,8 +290,7 @@ def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
     each weight decoded once for the tile's tokens. Group and token indices past g_last and x's last row
     are clamped to them: the clamped tile recomputes and rewrites the same values, so any remainder can
     use it."""
-    block_bytes, header_bytes = LAYOUT[kind]
-    group_block = GROUP * block_bytes
+    group_block = GROUP * LAYOUT[kind][0]
     span = BLOCK // 2 if kind == Q6_K else BLOCK   # the elements each scale covers
 
     @intrinsic
@@ -297,7 +327,7 @@ def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
                 block, fields = _group_block(builder, weights, b, kind)
                 _prefetch_ahead(builder, block, group_block)
                 scales = [_scales(builder, block, fields, kind, h) for h in range(BLOCK // span)]
-                quants = _quants(builder, builder.gep(block, [integer(GROUP * header_bytes)]))
+                quants = _quants(builder, kind, block)
                 if kind == Q5_K:  # w_i = d q_i + m, decoded once a block for every token, as consumed
                     quants = _with_min(builder, quants, scales[0], _scales(builder, block, fields, kind, 1))
                     scales = [vector(1.0)]
@@ -340,10 +370,8 @@ def _nibbles(builder: ir.IRBuilder, kind: int, block: ir.Value, p: int,
     if fifth is None:
         return values[0], values[1]
     for h in (0, 1):
-        shift = 4 - (2 * p + h)
-        moved = (builder.shl(fifth, vector(shift, v32i8)) if shift > 0
-                 else builder.lshr(fifth, vector(-shift, v32i8)) if shift < 0 else fifth)
-        values[h] = builder.or_(values[h], builder.and_(moved, vector(16, v32i8)))
+        values[h] = builder.or_(values[h], builder.and_(_shift_bytes(builder, fifth, 4 - (2 * p + h)),
+                                                        vector(16, v32i8)))
     return values[0], values[1]
 
 
@@ -426,8 +454,7 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
     shifted by PLANE_SCALE's bits and added), then acc += d xs dot, plus the offset term m xs sum(xq) (Q4_1,
     Q4_K, Q5_K) or o d xs sum(xq) (OFFSET: Q4_0, Q5_0), x @ W.T for x = xs * xq. Signed weights (Q8_0,
     Q6_K) multiply as |w| times x with w's sign."""
-    block_bytes, header_bytes = LAYOUT[kind]
-    group_block = GROUP * block_bytes
+    group_block = GROUP * LAYOUT[kind][0]
     nibbles, signed = kind in NIBBLES, kind in (Q8_0, Q6_K)
     loads = BLOCK // 2 // 4 if nibbles else BLOCK // 4   # 32-byte loads of a group block's quants
     # Without VNNI, each (group, token)'s pmaddubsw results add up in 16-bit lanes, pair_sums of them
@@ -486,7 +513,7 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
                                 low, high = _nibbles(builder, kind, block, p, fifth)
                                 operands.append([(low, None, 4 * p), (high, None, BLOCK // 2 + 4 * p)])
                             else:
-                                raw = load(builder, block, GROUP * header_bytes + 32 * p, v32i8)
+                                raw = _bytes(builder, kind, block, p)
                                 operands.append([(_magnitude(builder, raw) if signed else raw,
                                                   raw if signed else None, 4 * p)])
                         for part in range(len(operands[0])):
@@ -549,8 +576,7 @@ def _make_unpack(kind: int, n_groups: int):
     """An intrinsic ``unpack(w, g, g_last, panel)``: row groups g + k, k < n_groups (clamped to g_last),
     decoded to float32, panel[i, 8 k + r] = W[8 (g + k) + r, i], each w = d q + m (Q8_0: no m; Q6_K: m is
     the second half's d)."""
-    block_bytes, header_bytes = LAYOUT[kind]
-    group_block = GROUP * block_bytes
+    group_block = GROUP * LAYOUT[kind][0]
 
     @intrinsic
     def unpack(typingctx, w, g, g_last, panel):
@@ -571,7 +597,7 @@ def _make_unpack(kind: int, n_groups: int):
                     _prefetch_ahead(builder, block, group_block)
                     d = _scales(builder, block, fields, kind, 0)
                     m = _scales(builder, block, fields, kind, 1) if kind != Q8_0 else None
-                    for i, q in _quants(builder, builder.gep(block, [integer(GROUP * header_bytes)])):
+                    for i, q in _quants(builder, kind, block):
                         if kind == Q6_K:   # m is the second half's d
                             value = builder.fmul(q, d if i < BLOCK // 2 else m)
                         else:
@@ -653,7 +679,7 @@ def _make_amx_unpack(kind: int):
     e: elements 4 e .. 4 e + 3 of each of the 16 weight rows, in bytes as the GEMM tiles multiply them:
     nibbles widened, Q5_0's with their fifth bits), then header values 0 and 1 of the 16 rows as float32
     (``_scales``: the same floats the GEMM tiles compute)."""
-    block_bytes, header_bytes = LAYOUT[kind]
+    block_bytes = LAYOUT[kind][0]
     headers = 2 if kind in (Q4_1, Q4_K, Q5_K, Q6_K) else 1
 
     @intrinsic
@@ -684,8 +710,7 @@ def _make_amx_unpack(kind: int):
                                 _put(builder, out, amx.ROW_BYTES * (AMX_QUADS // 2 * half + p) + 32 * k, quants)
                     else:
                         for p in range(AMX_QUADS):
-                            _put(builder, out, amx.ROW_BYTES * p + 32 * k,
-                                 load(builder, block, GROUP * header_bytes + 32 * p, v32i8))
+                            _put(builder, out, amx.ROW_BYTES * p + 32 * k, _bytes(builder, kind, block, p))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -1351,6 +1376,16 @@ def _quant_at(j, size):
     return j // 4 * 4 * size + j % 4
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _packed_value(flat, quants, size, i, high_bits):
+    """Element i of a block of Q6_K's or Q5_K's (``_packed_values``) whose row's quant bytes start at ``quants``."""
+    half, j = i // (BLOCK // 2), i % (BLOCK // 2)
+    at = high_bits * (2 * (j // 4) + half)
+    nibble = np.int64(flat[quants + _quant_at(j, size)]) >> (4 * half) & 15
+    high = np.int64(flat[quants + _quant_at(BLOCK // 2 + 4 * (at // 8) + j % 4, size)]) >> (at % 8)
+    return nibble | (high & ((1 << high_bits) - 1)) << 4
+
+
 @njit(cache=True, nogil=True)
 def _dequantize_row(kind, blocks, row, y):
     """y[:] = row ``row`` of the weight laid out by ``prepare``, dequantized as gguf does."""
@@ -1372,10 +1407,14 @@ def _dequantize_row(kind, blocks, row, y):
                 y[b * BLOCK + i] = d * np.float32(np.int8(flat[quants + _quant_at(i, size)]))
             continue
         m = _header_value(flat, at, fields_at, size, lane, kind, 1)  # Q4_0: a quant byte, unused; Q6_K: d2; Q5_0: qh
-        if kind == Q6_K or kind == Q5_K:
+        if kind == Q6_K:
             for i in range(BLOCK):
-                q = np.float32(np.int8(flat[quants + _quant_at(i, size)]))
-                y[b * BLOCK + i] = (d if i < BLOCK // 2 else m) * q if kind == Q6_K else d * q + m
+                q = _packed_value(flat, quants, size, i, HIGH_BITS[Q6_K]) - 32
+                y[b * BLOCK + i] = (d if i < BLOCK // 2 else m) * np.float32(q)
+            continue
+        if kind == Q5_K:
+            for i in range(BLOCK):
+                y[b * BLOCK + i] = d * np.float32(_packed_value(flat, quants, size, i, HIGH_BITS[Q5_K])) + m
             continue
         fifth = 0   # Q5_0's fifth bits, bit i element i's
         if kind == Q5_0 and size == 1:
@@ -1463,6 +1502,20 @@ def _k_scales(super_blocks: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarr
     return [d, -dmin], [sc, m]
 
 
+def _packed_values(values: np.ndarray, high_bits: int) -> np.ndarray:
+    """Blocks' values [n, 32] of 4 + ``high_bits`` bits as the tiles read them, [n, 16 + 4 high_bits] bytes:
+    16 bytes of nibbles as Q4's (byte j: elements j and j + 16), then their high bits: element 4 p + e +
+    16 h's at bit a % 8 of byte 4 (a // 8) + e, a = high_bits (2 p + h), so that a tile's quant load p
+    (bytes 4 p .. 4 p + 3 of each row) and one load of high bytes give both nibbles' elements (``_bytes``)."""
+    nibbles = (values[:, :16] & 15) | (values[:, 16:] << np.uint8(4))
+    high = np.zeros((len(values), 4 * high_bits), np.uint8)
+    for i in range(BLOCK):
+        half, j = divmod(i, BLOCK // 2)
+        at = high_bits * (2 * (j // 4) + half)
+        high[:, 4 * (at // 8) + j % 4] |= (values[:, i] >> np.uint8(4)) << np.uint8(at % 8)
+    return np.concatenate([nibbles, high], axis=1)
+
+
 def _k_blocks(rows: int, fields: list[np.ndarray], multipliers: list[np.ndarray], values: np.ndarray,
               shared: bool) -> np.ndarray:
     """Blocks of a converted kind (LAYOUT) as [rows, bytes]: each block its int8 multipliers, then its value
@@ -1492,24 +1545,26 @@ def _from_q4_k(data: np.ndarray) -> np.ndarray:
 
 
 def _from_q5_k(data: np.ndarray) -> np.ndarray:
-    """Q5_K super-blocks [rows, n / 256 * 176] as Q8_0-style blocks [rows, n / 32 * 38] with a d and an m
-    (``_k_scales``, in each block) and the 5-bit values as bytes: a Q5_K value is d sc q - dmin m, with sc and
-    m as in Q4_K. The same weight at 1.1875 bytes a value (Q5_1's layout: ``_from_q5_1``)."""
+    """Q5_K super-blocks [rows, n / 256 * 176] as blocks [rows, n / 32 * 26] with a d and an m
+    (``_k_scales``, in each block) and the 5-bit values packed (``_packed_values``): a Q5_K value is d sc q -
+    dmin m, with sc and m as in Q4_K. The same weight at 0.8125 bytes a value (Q5_1's layout: ``_from_q5_1``),
+    read by the byte kinds' tiles (``_bytes``)."""
     super_blocks = _super_blocks(data, "Q5_K", 176)
     n = super_blocks.shape[0]
     # low 4 bits: 32 bytes per pair of sub-blocks, low nibbles first; the 5th bit of sub-block j: bit j
     nibbles = (super_blocks[:, 48:].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
     fifth = (super_blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
     fields, multipliers = _k_scales(super_blocks)
+    values = (nibbles.reshape(n, 8, 32) | (fifth << np.uint8(4))).reshape(-1, BLOCK)
     return _k_blocks(data.shape[0], [np.repeat(field, SUPER) for field in fields], multipliers,
-                     nibbles.reshape(n, 8, 32) | (fifth << np.uint8(4)), False)
+                     _packed_values(values, HIGH_BITS[Q5_K]), False)
 
 
 def _from_q6_k(data: np.ndarray) -> np.ndarray:
-    """Q6_K super-blocks [rows, n / 256 * 210] as runs of eight Q8_0-style blocks [rows, n / 256 * 274]: a d
-    for each 16 values (the f16 d, once a run, and the block's int8 sc0 and sc1 of ``_k_blocks``, d sc exact
-    in float32) and the 32 values q - 32 as int8, where a Q6_K value is d sc (q - 32). The same weight at
-    1.07 bytes a value (it was 1.25 with float32 scales), read by the Q8_0 tiles."""
+    """Q6_K super-blocks [rows, n / 256 * 210] as runs of eight blocks [rows, n / 256 * 210]: a d for each
+    16 values (the f16 d, once a run, and the block's int8 sc0 and sc1 of ``_k_blocks``, d sc exact in
+    float32) and the 32 6-bit values q packed (``_packed_values``), where a Q6_K value is d sc (q - 32). The
+    same weight at GGUF's 0.82 bytes a value, read by the byte kinds' tiles as the int8 q - 32 (``_bytes``)."""
     super_blocks = _super_blocks(data, "Q6_K", 210)
     n = super_blocks.shape[0]
     d = super_blocks[:, 208:210].copy().view(np.float16)[:, 0]
@@ -1517,8 +1572,8 @@ def _from_q6_k(data: np.ndarray) -> np.ndarray:
     # low 4 bits: 64 bytes per 128 values, low nibbles first; high 2 bits: 32 bytes per 128, 2 bits apart
     low = (super_blocks[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
     high = (super_blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-    values = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << np.uint8(4))).astype(np.int8) - np.int8(32)
-    return _k_blocks(data.shape[0], [d], [sc[:, 0::2], sc[:, 1::2]], values.view(np.uint8), True)
+    values = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << np.uint8(4))).reshape(-1, BLOCK)
+    return _k_blocks(data.shape[0], [d], [sc[:, 0::2], sc[:, 1::2]], _packed_values(values, HIGH_BITS[Q6_K]), True)
 
 
 def _five_bits(high: np.ndarray, low: np.ndarray) -> np.ndarray:
@@ -1532,11 +1587,12 @@ def _five_bits(high: np.ndarray, low: np.ndarray) -> np.ndarray:
 
 def _from_q5_1(data: np.ndarray) -> np.ndarray:
     """Q5_1 blocks [rows, n / 32 * 24] as Q5_K's blocks: the fields d and m with multipliers 1, the values q
-    as bytes; a Q5_1 value is d q + m, as Q5_K's are."""
+    packed as Q5_K's; a Q5_1 value is d q + m, as Q5_K's are."""
     blocks = _super_blocks(data, "Q5_1", 24)
     d, m = (blocks[:, at:at + 2].copy().view(np.float16) for at in (0, 2))
     one = np.ones(len(blocks), np.int8)
-    return _k_blocks(data.shape[0], [d, m], [one, one], _five_bits(blocks[:, 4:8], blocks[:, 8:]), False)
+    return _k_blocks(data.shape[0], [d, m], [one, one],
+                     _packed_values(_five_bits(blocks[:, 4:8], blocks[:, 8:]), HIGH_BITS[Q5_K]), False)
 
 
 _CONVERSIONS = {"Q4_K": _from_q4_k, "Q6_K": _from_q6_k, "Q5_K": _from_q5_k, "Q5_1": _from_q5_1}
