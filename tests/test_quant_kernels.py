@@ -79,12 +79,12 @@ def two_plane_activations(x: np.ndarray) -> np.ndarray:
 def seen_by_kernels(qtype: str, x: np.ndarray, wide: int = quant.WIDE_PREFILL) -> np.ndarray:
     """The activations a product is exact for: for Q4 weights (Q4_K too) two int8 planes in the steps that
     ``wide`` names (WIDE_PREFILL: past INT8_TOKENS tokens; WIDE_DECODE: up to it), int8 ones in the others;
-    for the byte kinds (Q8_0, Q6_K, Q5_K) two planes in steps of up to ONE_TOKEN_PASSES tokens, int8 ones in
+    for the byte kinds (Q8_0, Q6_K, Q5_K, Q5_1) two planes in steps of up to ONE_TOKEN_PASSES tokens, int8 ones in
     longer steps and float32 ones between; int8 ones for Q5_0."""
     kind, long_step = quant.KINDS[qtype], len(x) > quant.INT8_TOKENS
     if kind == quant.Q5_0:
         return int8_activations(x)
-    if kind in (quant.Q8_0, quant.Q6_K, quant.Q5_K):
+    if kind in (quant.Q8_0, quant.Q6_K, quant.Q5_K, quant.Q5_1):
         if len(x) <= quant.ONE_TOKEN_PASSES:
             return two_plane_activations(x)
         return int8_activations(x) if long_step else x
@@ -301,14 +301,34 @@ def test_q6_k_is_laid_out_as_runs_of_packed_blocks_with_a_scale_per_half_sharing
         quant.prepare("Q6_K", blocks[:, 1:])
 
 
-@pytest.mark.parametrize("qtype", ["Q5_K", "Q5_1"])
-def test_q5_k_and_q5_1_are_laid_out_as_packed_blocks_with_a_scale_and_a_min(qtype):
-    """Q5_K (and Q5_1) become 26-byte blocks of 32 values: f16 fields d and m, their int8 multipliers (Q5_K's
-    sc and m; Q5_1's ones), then the 5-bit values as 16 bytes of nibbles and 4 of fifth bits: d q + m as
-    gguf's; in a row group each piece eight rows' together, the quant bytes four of a row at a time."""
-    blocks, dense = gguf_weight(qtype, 37, 512)
-    kind, laid_out = quant.prepare(qtype, blocks)
-    assert kind == quant.KINDS[qtype] == quant.Q5_K and laid_out.shape == (37, 512 // 32 * 26)
+def test_q5_k_is_laid_out_as_runs_of_packed_blocks_whose_scale_and_min_share_the_super_blocks_f16_fields():
+    """Q5_K's 176-byte super-blocks become runs of 180 bytes: the super-block's f16 d and -dmin once, then
+    eight 22-byte blocks (the block's 6-bit sc and m as int8, the 5-bit values as 16 bytes of nibbles and 4 of
+    fifth bits): d sc q - dmin m as gguf's; in a row group each piece eight rows' together, the quant bytes
+    four of a row at a time."""
+    blocks, dense = gguf_weight("Q5_K", 37, 512)
+    kind, laid_out = quant.prepare("Q5_K", blocks)
+    assert kind == quant.KINDS["Q5_K"] and laid_out.shape == (37, 512 // 256 * 180)
+    for r, run in enumerate(laid_out[36].reshape(-1, 180)):   # a row kept as one-row runs
+        for b, block in enumerate(run[4:].reshape(8, 22)):
+            d, m = k_header(run[:4], block[:2])
+            np.testing.assert_array_equal(d * packed_values(block[2:], 1).astype(np.float32) + m,
+                                          dense[36, 256 * r + 32 * b:256 * r + 32 * b + 32])
+    run = laid_out[:8].reshape(-1)[8 * 180:2 * 8 * 180]        # the first group's second run
+    block = run[8 * 4 + 3 * 8 * 22:][:8 * 22]                  # its fourth block
+    d, m = k_header(run[:8 * 4], block[:16], rows=8)
+    quants = block[16:].reshape(5, 8, 4).transpose(1, 0, 2).reshape(8, 20)   # four bytes of a row together
+    values = np.array([packed_values(row, 1) for row in quants], np.float32)
+    np.testing.assert_array_equal(d[:, None] * values + m[:, None], dense[:8, 256 + 96:256 + 128])
+
+
+def test_q5_1_is_laid_out_as_packed_blocks_with_their_own_scale_and_min():
+    """Q5_1's 24-byte blocks become 26-byte ones: f16 d and m, int8 multipliers 1, then the 5-bit values as
+    Q5_K's: d q + m as gguf's; in a row group each piece eight rows' together, the quant bytes four of a row
+    at a time."""
+    blocks, dense = gguf_weight("Q5_1", 37, 512)
+    kind, laid_out = quant.prepare("Q5_1", blocks)
+    assert kind == quant.KINDS["Q5_1"] and laid_out.shape == (37, 512 // 32 * 26)
     for b, block in enumerate(laid_out[36].reshape(-1, 26)):   # a row kept as one-row blocks
         d, m = k_header(block[:4], block[4:6])
         np.testing.assert_array_equal(d * packed_values(block[6:], 1).astype(np.float32) + m,
@@ -363,7 +383,7 @@ def test_every_instruction_set_the_host_has_gives_the_same_floats(tmp_path, isa)
     x = RNG.standard_normal((37, 256)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
     expected = {}
-    for qtype in (*QTYPES, *K_BLOCKS, "Q5_0"):
+    for qtype in (*QTYPES, *K_BLOCKS, "Q5_0", "Q5_1"):
         blocks, dense = gguf_weight(qtype, 40, 256)
         kind, laid_out = prepared(qtype, blocks)
         np.save(tmp_path / f"{qtype}.npy", laid_out)
@@ -380,7 +400,7 @@ def test_every_instruction_set_the_host_has_gives_the_same_floats(tmp_path, isa)
         "from lse_backends.jit import vector\n"
         f"assert vector.ISA == {isa!r}\n"
         "d = sys.argv[1]; x = np.load(d + '/x.npy')\n"
-        "for q in ('Q4_0', 'Q4_1', 'Q8_0', 'Q4_K', 'Q6_K', 'Q5_K', 'Q5_0'):\n"
+        "for q in ('Q4_0', 'Q4_1', 'Q8_0', 'Q4_K', 'Q6_K', 'Q5_K', 'Q5_0', 'Q5_1'):\n"
         "    for t in (1, 3, 16, 37):\n"
         "        out = np.full((t, 40), np.nan, np.float32)\n"
         "        w = np.load(f'{d}/{q}.npy'); w.flags.writeable = False\n"

@@ -6,19 +6,19 @@ its GEMMs, and multiply in integer dot products (GEMM tiles: a 512-token chunk o
 one thread, 1.7-1.8x faster than through float32 panels). Steps of up to INT8_TOKENS tokens (decode) take
 int8 activations where they meet Q4 (and Q5_0) weights, the nibbles multiplying the activation bytes in 16-bit
 integer lanes (SmolLM2's whole step at 8 and 16 sequences was 1.17x and 1.13x faster than through float32
-panels), and where steps of one or two tokens meet the byte kinds (Q8_0, Q6_K, Q5_K), and float32 ones
+panels), and where steps of one or two tokens meet the byte kinds (Q8_0, Q6_K, Q5_K, Q5_1), and float32 ones
 elsewhere. Q4 weights take two int8 planes, 15 bits a value (``int8``), in the steps that their product's
 ``wide`` names (every product's prefill, a gated MLP's down projection's decode too), the byte kinds in
 their one-token steps (``_planes``).
 Q4_K is read as Q4_1 blocks whose d and m are d sc and -dmin m (``_from_q4_k``: the same values, 0.578
 bytes each), Q6_K as blocks with a d sc for each half (``_from_q6_k``, 0.82 bytes each), Q5_K as blocks with
-a d and an m (``_from_q5_k``, 0.8125 bytes each), their values' bits as GGUF's (nibbles and high bits, which
+a d and an m (``_from_q5_k``, 0.703 bytes each), their values' bits as GGUF's (nibbles and high bits, which
 the tiles turn into Q8_0's bytes: ``_bytes``), each of those scales stored as the super-block's
 f16 field and the block's int8 multiplier (LAYOUT), multiplied in the tiles: on SmolLM2-shaped layers, one
 thread, a decode token 4.7x (Q4_K), 2.6x (Q6_K) and 2.5x (Q5_K) faster than through the float32 copy they
 used to be decoded to (measured when the scales were float32, 0.75 and 1.25 bytes a value). Q5_0 is read in
 place, as Q4_0 with the fifth bits ORed into the nibbles' bytes (22 bytes a block: it used to be read as
-34-byte Q8_0 blocks), Q5_1 as Q5_K's.
+34-byte Q8_0 blocks), Q5_1 as Q5_K's values with a d and m of its own per block.
 The jit device decodes other GGUF types (Q2_K, Q3_K...) exactly to float32 once at load.
 
 Layout. ``prepare`` re-lays a weight once at load into a new array of the same shape and bytes (the K types
@@ -52,9 +52,9 @@ nibbles to int64 and do not vectorize), per tile of row groups x tokens:
               faster, one thread; one plane there flipped near-tied next tokens of output layers, SmolLM2's
               first answer token among them. Prefill computes the output layer for its sampled rows only:
               a decode-sized step.)
-  4 tokens    (Q8_0, Q6_K, Q5_K from ONE_TOKEN_PASSES to PANEL_TOKENS) w_i = d * q_i, then acc_c += w_i *
-              x_ci: each block is decoded once for all the tile's tokens.
-  panels      (Q8_0, Q6_K, Q5_K from PANEL_TOKENS to INT8_TOKENS tokens) a pair of row groups is decoded
+  4 tokens    (the byte kinds, Q8_0, Q6_K, Q5_K and Q5_1, from ONE_TOKEN_PASSES to PANEL_TOKENS) w_i = d * q_i,
+              then acc_c += w_i * x_ci: each block is decoded once for all the tile's tokens.
+  panels      (the byte kinds from PANEL_TOKENS to INT8_TOKENS tokens) a pair of row groups is decoded
               once, the same w_i, to a float32 panel [n, 16]; 4-token panel tiles then run
               acc_ck += w_ik * x_ci with 2 x 4 accumulators: a weight vector loaded serves four tokens, a
               broadcast two weight vectors.
@@ -128,31 +128,33 @@ from .vector import (
     vector,
 )
 
-Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, Q5_0 = 0, 1, 2, 3, 4, 5, 6
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, Q5_0, Q5_1 = range(8)
 KINDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K, "Q5_K": Q5_K, "Q5_0": Q5_0,
-         "Q5_1": Q5_K}   # read as Q5_K's blocks: _from_q5_1
+         "Q5_1": Q5_1}
 # LAYOUT[kind] = (bytes per 32-value block, bytes of its header: d, or d and m); a tuple numba reads too.
 # Header fields are f16 (FIELD bytes). The converted kinds' headers are f16 fields and then MULTIPLIERS[kind]
 # int8 multipliers, header value i being f16 field min(i, FIELDS - 1) times multiplier i, as GGUF's K types
 # store d sc and dmin m (exact in float32: 11 + 8 significant bits): Q4_K is laid out as Q4_1 blocks whose d
 # and m are d sc and -dmin m (_from_q4_k); Q6_K as blocks with a d for each half of the block, d sc0 and
 # d sc1, each value d (q - 32) (_from_q6_k); Q5_K as blocks with a d and an m, each value d q + m
-# (_from_q5_k). Q5_0 is read as GGUF stores it, d and 4 bytes of fifth bits, then the nibbles; in a group
+# (_from_q5_k), and Q5_1 as blocks of the same values whose d and m are their own f16 fields (multipliers
+# 1: _from_q5_1). Q5_0 is read as GGUF stores it, d and 4 bytes of fifth bits, then the nibbles; in a group
 # block the fifth bits are rearranged to be cheap to apply (_q5_0_fifth_bits).
-# Q6_K's and Q5_K's values keep their GGUF bits (6 and 5): a block's 16 bytes of nibbles as Q4's, then
+# Q6_K's, Q5_K's and Q5_1's values keep their GGUF bits (6, 5, 5): a block's 16 bytes of nibbles as Q4's, then
 # 4 HIGH_BITS[kind] bytes of the rest (_packed_values), which the tiles rebuild into the bytes Q8_0's hold
 # (_bytes). As whole bytes (34 and 38 a block) they made a Q4_K_M model's decode step stream 1.1x, and a
 # Q5_K_M one's 1.6x, the bytes of its file.
-# Q4_K's and Q6_K's f16 fields (d and -dmin; d) are their super-block's, so they are held once per SUPER
-# blocks, SHARED[kind] of them before the run of blocks they serve (a group's eight rows' together), and
-# their blocks hold the multipliers and the quants alone: 18.5 and 26.25 bytes per 32 values (GGUF's 18 and
-# 26.25), the bytes a decode step streams (one thread-pair streaming 8192 x 2048 Q4_K, Zen 3: 0.335 -> 0.287
-# ms, 34 GB/s either way). The other kinds' fields are in each block's header.
-LAYOUT = ((18, 2), (20, 4), (34, 2), (18, 2), (26, 2), (26, 6), (22, 6))
-HIGH_BITS = (0, 0, 0, 0, 2, 1, 0)   # bits of a value past its nibble, held after the block's nibbles
+# The K types' f16 fields (Q4_K's and Q5_K's d and -dmin; Q6_K's d) are their super-block's, so they are held
+# once per SUPER blocks, SHARED[kind] of them before the run of blocks they serve (a group's eight rows'
+# together), and their blocks hold the multipliers and the quants alone: 18.5, 26.25 and 22.5 bytes per 32
+# values (GGUF's 18, 26.25 and 22), the bytes a decode step streams (one thread-pair streaming 8192 x 2048
+# Q4_K, Zen 3: 0.335 -> 0.287 ms, 34 GB/s either way). The other kinds' fields are in each block's header.
+LAYOUT = ((18, 2), (20, 4), (34, 2), (18, 2), (26, 2), (22, 2), (22, 6), (26, 6))
+HIGH_BITS = (0, 0, 0, 0, 2, 1, 0, 1)   # bits of a value past its nibble, held after the block's nibbles
 FIELD = 2
-MULTIPLIERS = (0, 0, 0, 2, 2, 2, 0)
-SHARED = (0, 0, 0, 2, 1, 0, 0)
+MULTIPLIERS = (0, 0, 0, 2, 2, 2, 0, 2)
+SHARED = (0, 0, 0, 2, 1, 2, 0, 0)
+WITH_MIN = (Q4_1, Q4_K, Q5_K, Q5_1)   # kinds whose values are d q + m
 SUPER = 8   # blocks of a K super-block (256 values)
 GROUP = LANES  # rows per group: one vector lane each
 NIBBLES = (Q4_0, Q4_1, Q4_K, Q5_0)   # kinds whose quant bytes hold two 4-bit values (Q5_0's fifth bits apart)
@@ -246,7 +248,7 @@ def _shift_bytes(builder: ir.IRBuilder, value: ir.Value, shift: int) -> ir.Value
 
 
 def _bytes(builder: ir.IRBuilder, kind: int, block: ir.Value, p: int) -> ir.Value:
-    """<32 x i8>: quant load p of a byte kind's (Q8_0, Q6_K, Q5_K) group block at ``block``, elements
+    """<32 x i8>: quant load p of a byte kind's (Q8_0, Q6_K, Q5_K, Q5_1) group block at ``block``, elements
     4 p .. 4 p + 3 of a row in each 32-bit lane, as the tiles multiply them: Q8_0's bytes as stored; Q6_K's
     q - 32 and Q5_K's q, rebuilt from the nibbles and HIGH_BITS of each element (see ``_packed_values``)."""
     quants = GROUP * LAYOUT[kind][1]
@@ -265,7 +267,7 @@ def _bytes(builder: ir.IRBuilder, kind: int, block: ir.Value, p: int) -> ir.Valu
 
 def _quants(builder: ir.IRBuilder, kind: int, block: ir.Value) -> Iterator[tuple[int, ir.Value]]:
     """(element index, <8 x float> of that element's eight rows) for a byte kind's block's 32 elements
-    (Q8_0, Q6_K, Q5_K), in load order, so that the caller consumes each vector as it is made (fewer live
+    (Q8_0, Q6_K, Q5_K, Q5_1), in load order, so that the caller consumes each vector as it is made (fewer live
     registers): each 32-bit lane of a load (``_bytes``) holds four of a row's bytes, byte e moved to the
     top and shifted back down with its sign."""
     for p in range(BLOCK // 4):
@@ -328,7 +330,7 @@ def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
                 _prefetch_ahead(builder, block, group_block)
                 scales = [_scales(builder, block, fields, kind, h) for h in range(BLOCK // span)]
                 quants = _quants(builder, kind, block)
-                if kind == Q5_K:  # w_i = d q_i + m, decoded once a block for every token, as consumed
+                if kind in WITH_MIN:  # w_i = d q_i + m, decoded once a block for every token, as consumed
                     quants = _with_min(builder, quants, scales[0], _scales(builder, block, fields, kind, 1))
                     scales = [vector(1.0)]
                 values = [[builder.load(a) for a in accs[c]] for c in range(n_tokens)]   # acc_c += (d * q_i) x_ci
@@ -391,7 +393,7 @@ def _pair_products(builder: ir.IRBuilder, quants: ir.Value, x: ir.Value) -> ir.V
 
 OFFSET = {Q4_0: -8.0, Q5_0: -16.0}
 # The largest |value| a tile multiplies, of each kind's bytes as laid out (Q6_K's q - 32, Q8_0's any int8)
-LARGEST = {Q4_0: 15, Q4_1: 15, Q4_K: 15, Q5_0: 31, Q5_K: 31, Q6_K: 32, Q8_0: 128}
+LARGEST = {Q4_0: 15, Q4_1: 15, Q4_K: 15, Q5_0: 31, Q5_K: 31, Q5_1: 31, Q6_K: 32, Q8_0: 128}
 
 
 def _dot4(builder: ir.IRBuilder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
@@ -545,7 +547,7 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
                         dots = dots[0]
                     for k, (block, fields_k) in enumerate(zip(blocks, fields)):
                         d = _scales(builder, block, fields_k, kind, span)
-                        m = _scales(builder, block, fields_k, kind, 1) if kind in (Q4_1, Q4_K, Q5_K) else None
+                        m = _scales(builder, block, fields_k, kind, 1) if kind in WITH_MIN else None
                         for c in range(n_tokens):
                             dot, acc = builder.sitofp(dots[k][c], v8f32), builder.load(accs[k][c])
                             if m is not None:  # acc += d xs dot + m xs sum(xq)
@@ -680,7 +682,7 @@ def _make_amx_unpack(kind: int):
     nibbles widened, Q5_0's with their fifth bits), then header values 0 and 1 of the 16 rows as float32
     (``_scales``: the same floats the GEMM tiles compute)."""
     block_bytes = LAYOUT[kind][0]
-    headers = 2 if kind in (Q4_1, Q4_K, Q5_K, Q6_K) else 1
+    headers = 2 if kind in WITH_MIN or kind == Q6_K else 1
 
     @intrinsic
     def amx_unpack(typingctx, w, g, g_last, panel):
@@ -786,7 +788,7 @@ def _make_amx_tile(kind: int, planes: int):
                 x = builder.gep(x_row, [builder.add(builder.mul(b, integer(x_block)), integer(planes * plane_bytes))])
                 heads = builder.bitcast(x, f32.as_pointer())
                 for span in range(spans):
-                    d, m = header[span], header[1] if kind in (Q4_1, Q4_K, Q5_K) else None
+                    d, m = header[span], header[1] if kind in WITH_MIN else None
                     for c in range(amx.ROWS):
                         at = (2 * parity + span * planes) * product_bytes + c * amx.ROW_BYTES
                         dot = load(builder, dots, at, v16i32)
@@ -855,14 +857,14 @@ def _from_a_line(buffer, rows, row_bytes):
 
 
 # Tile shapes, the fastest measured on Zen 3. Q8_0 float32 tiles: four tokens with two partial sums each.
-_q8_0_4, _q6_k_4, _q5_k_4 = (_make_q8_0_tile(4, 2, kind) for kind in (Q8_0, Q6_K, Q5_K))
+_q8_0_4, _q6_k_4, _q5_k_4, _q5_1_4 = (_make_q8_0_tile(4, 2, kind) for kind in (Q8_0, Q6_K, Q5_K, Q5_1))
 # GEMM tiles (int8 activations, steps past INT8_TOKENS): groups x tokens. One thread on Zen 4 (AVX-512 VNNI),
 # 256 rows x 896 x 256 tokens, GMAC/s of CPU time, Q8_0 / Q4_0: 1 x 4 65 / 119, 2 x 2 55 / 102, 2 x 3 80 / 119,
 # 2 x 4 74 / 101, 1 x 8 63 / 127, 4 x 2 75 / 95. 2 x 3 keeps 6 float and 6 int32 accumulators, two weight
 # vectors and a broadcast within AVX2's 16 registers.
 GEMM_GROUPS, GEMM_TOKENS = 2, 3
-_q4_0_gemm, _q4_1_gemm, _q8_0_gemm, _q4_k_gemm, _q6_k_gemm, _q5_k_gemm, _q5_0_gemm = (
-    _make_gemm_tile(kind, GEMM_GROUPS, GEMM_TOKENS) for kind in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, Q5_0))
+_q4_0_gemm, _q4_1_gemm, _q8_0_gemm, _q4_k_gemm, _q6_k_gemm, _q5_k_gemm, _q5_0_gemm, _q5_1_gemm = (
+    _make_gemm_tile(kind, GEMM_GROUPS, GEMM_TOKENS) for kind in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, Q5_0, Q5_1))
 # Two-plane tiles (Q4 weights' prefill): one thread on Zen 3, a 512-token chunk of 4864 x 896 Q4_0, 2 x 3
 # 29.9 ms, 2 x 2 32.8, 1 x 2 30.0, 2 x 1 30.1, 1 x 4 33.0 (one plane 16.4-18.7, float32 panels 44.5)
 _q4_0_planes, _q4_1_planes, _q4_k_planes = (
@@ -874,23 +876,25 @@ _q4_0_planes, _q4_1_planes, _q4_k_planes = (
 # bits); two groups a tile ran slower (12-23 GB/s). At 16 tokens the 2 x 3 GEMM tiles took 8960 x 1536 in
 # 27 ms against their 36 (1536 x 8960 alike): the int8 kinds' steps of 3 to 16 tokens take them too.
 _q4_0_gemv, _q4_1_gemv, _q4_k_gemv, _q5_0_gemv = (_make_gemm_tile(kind, 1, 1) for kind in (Q4_0, Q4_1, Q4_K, Q5_0))
-_q4_0_gemv_planes, _q4_1_gemv_planes, _q4_k_gemv_planes, _q8_0_gemv_planes, _q6_k_gemv_planes, _q5_k_gemv_planes = (
-    _make_gemm_tile(kind, 1, 1, 2) for kind in (Q4_0, Q4_1, Q4_K, Q8_0, Q6_K, Q5_K))
-# AMX tiles, by the float operations after the products: Q4_1's serve Q4_K and Q5_K too (d and m)
+_q4_0_gemv_planes, _q4_1_gemv_planes, _q4_k_gemv_planes, _q8_0_gemv_planes, _q6_k_gemv_planes, _q5_k_gemv_planes, \
+    _q5_1_gemv_planes = (_make_gemm_tile(kind, 1, 1, 2) for kind in (Q4_0, Q4_1, Q4_K, Q8_0, Q6_K, Q5_K, Q5_1))
+# AMX tiles, by the float operations after the products: Q4_1's serve Q4_K, Q5_K and Q5_1 too (d and m)
 _q4_0_amx_unpack, _q4_1_amx_unpack, _q8_0_amx_unpack, _q4_k_amx_unpack, _q6_k_amx_unpack, _q5_k_amx_unpack, \
-    _q5_0_amx_unpack = (_make_amx_unpack(kind) for kind in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, Q5_0))
+    _q5_0_amx_unpack, _q5_1_amx_unpack = (_make_amx_unpack(kind) for kind in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K,
+                                                                              Q5_0, Q5_1))
 _q4_0_amx, _q4_1_amx, _q8_0_amx, _q6_k_amx, _q5_0_amx = (
     _make_amx_tile(kind, 1) for kind in (Q4_0, Q4_1, Q8_0, Q6_K, Q5_0))
 _q4_0_amx_planes, _q4_1_amx_planes = (_make_amx_tile(kind, 2) for kind in (Q4_0, Q4_1))
 PANEL_GROUPS = 2  # row groups a panel holds (three measured no faster, and items hold pairs of groups)
-_q8_0_unpack, _q6_k_unpack, _q5_k_unpack = (_make_unpack(kind, PANEL_GROUPS) for kind in (Q8_0, Q6_K, Q5_K))
+_q8_0_unpack, _q6_k_unpack, _q5_k_unpack, _q5_1_unpack = (_make_unpack(kind, PANEL_GROUPS)
+                                                           for kind in (Q8_0, Q6_K, Q5_K, Q5_1))
 # Panel tiles: 2 x 4 accumulators, two weight vectors and a broadcast fill 11 of the 16 vector registers.
 # (A register tile of 8 tokens in one group, one accumulator each, ran at half their rate: a broadcast per
 # FMA, and no slack over the FMA latency.)
 _panel_tile = _make_panel_tile(PANEL_GROUPS, 4)
 # Tokens per step for each path: past INT8_TOKENS (prefill) every weight takes the GEMM tiles; up to it (a
 # decode step of up to 16 sequences) Q4 and Q5_0 weights take the GEMM tiles too, every kind one-token GEMM
-# tiles up to ONE_TOKEN_PASSES, and the byte kinds (Q8_0, Q6_K, Q5_K) float32 register tiles of four tokens
+# tiles up to ONE_TOKEN_PASSES, and the byte kinds (Q8_0, Q6_K, Q5_K, Q5_1) float32 register tiles of four tokens
 # below PANEL_TOKENS and panels from it. Measured on SmolLM2's layers, 2 threads: float32 panels against
 # register tiles were slower at 3 and 4 tokens, even at 8, 1.15x at 16 and 1.6x at 512.
 ONE_TOKEN_PASSES, PANEL_TOKENS, INT8_TOKENS = 2, 8, 16
@@ -916,6 +920,8 @@ def _gemm_tile(kind, planes, w, g, g_last, scratch, t, t_last, out):
         _q6_k_gemm(w, g, g_last, scratch, t, t_last, out)
     elif kind == Q5_K:
         _q5_k_gemm(w, g, g_last, scratch, t, t_last, out)
+    elif kind == Q5_1:
+        _q5_1_gemm(w, g, g_last, scratch, t, t_last, out)
     elif kind == Q4_0:
         _q4_0_gemm(w, g, g_last, scratch, t, t_last, out)
     elif kind == Q5_0:
@@ -927,7 +933,7 @@ def _gemm_tile(kind, planes, w, g, g_last, scratch, t, t_last, out):
 @njit(cache=True, nogil=True, inline="always")
 def _gemv_tile(kind, planes, w, g, g_last, scratch, t, out):
     """The one-token GEMM tile of this weight type for activations of one plane (Q4 types, Q5_0) or two (Q4
-    types, Q8_0, Q6_K, Q5_K)."""
+    types, Q8_0, Q6_K, Q5_K, Q5_1)."""
     if planes == 2:
         if kind == Q4_1:
             _q4_1_gemv_planes(w, g, g_last, scratch, t, t, out)
@@ -939,6 +945,8 @@ def _gemv_tile(kind, planes, w, g, g_last, scratch, t, out):
             _q6_k_gemv_planes(w, g, g_last, scratch, t, t, out)
         elif kind == Q5_K:
             _q5_k_gemv_planes(w, g, g_last, scratch, t, t, out)
+        elif kind == Q5_1:
+            _q5_1_gemv_planes(w, g, g_last, scratch, t, t, out)
         else:
             _q4_0_gemv_planes(w, g, g_last, scratch, t, t, out)
     elif kind == Q4_1:
@@ -986,6 +994,8 @@ def _amx_unpack(kind, w, g, g_last, panel):
         _q6_k_amx_unpack(w, g, g_last, panel)
     elif kind == Q5_K:
         _q5_k_amx_unpack(w, g, g_last, panel)
+    elif kind == Q5_1:
+        _q5_1_amx_unpack(w, g, g_last, panel)
     else:
         _q5_0_amx_unpack(w, g, g_last, panel)
 
@@ -998,6 +1008,8 @@ def _unpack(kind, w, g, g_last, panel):
         _q6_k_unpack(w, g, g_last, panel)
     elif kind == Q5_K:
         _q5_k_unpack(w, g, g_last, panel)
+    elif kind == Q5_1:
+        _q5_1_unpack(w, g, g_last, panel)
     else:
         _q8_0_unpack(w, g, g_last, panel)
 
@@ -1042,7 +1054,7 @@ def _planes(kind, n_tokens, row_invariant, wide):
     (llama.cpp's own answer there), even with two for attention and down: two planes keep the float32
     answer at 1.5x the float32 panels' speed (a 512-token chunk of 4864 x 896 Q4_0, one Zen 3 thread: 29.9 ms,
     panels 44.5, one plane 16.4).
-    The byte kinds (Q8_0, Q6_K, Q5_K: output layers among them) take two planes in the one-token tiles, whose
+    The byte kinds (Q8_0, Q6_K, Q5_K, Q5_1: output layers among them) take two planes in the one-token tiles, whose
     float32 activations they used to keep (one plane there flipped near-tied next tokens, the default
     model's first answer token among them), and one past INT8_TOKENS."""
     if not _int8_kind(kind):
@@ -1187,6 +1199,8 @@ def _groups(kind, w, x, out, g0, g1, scratch, row_invariant=False, wide=WIDE_PRE
                     _q6_k_4(w, g, g1 - 1, x, t, out)
                 elif kind == Q5_K:
                     _q5_k_4(w, g, g1 - 1, x, t, out)
+                elif kind == Q5_1:
+                    _q5_1_4(w, g, g1 - 1, x, t, out)
                 else:
                     _q8_0_4(w, g, g1 - 1, x, t, out)
     else:
@@ -1378,7 +1392,8 @@ def _quant_at(j, size):
 
 @njit(cache=True, nogil=True, inline="always")
 def _packed_value(flat, quants, size, i, high_bits):
-    """Element i of a block of Q6_K's or Q5_K's (``_packed_values``) whose row's quant bytes start at ``quants``."""
+    """Element i of a block of Q6_K's, Q5_K's or Q5_1's (``_packed_values``) whose row's quant bytes start
+    at ``quants``."""
     half, j = i // (BLOCK // 2), i % (BLOCK // 2)
     at = high_bits * (2 * (j // 4) + half)
     nibble = np.int64(flat[quants + _quant_at(j, size)]) >> (4 * half) & 15
@@ -1412,9 +1427,9 @@ def _dequantize_row(kind, blocks, row, y):
                 q = _packed_value(flat, quants, size, i, HIGH_BITS[Q6_K]) - 32
                 y[b * BLOCK + i] = (d if i < BLOCK // 2 else m) * np.float32(q)
             continue
-        if kind == Q5_K:
+        if kind == Q5_K or kind == Q5_1:
             for i in range(BLOCK):
-                y[b * BLOCK + i] = d * np.float32(_packed_value(flat, quants, size, i, HIGH_BITS[Q5_K])) + m
+                y[b * BLOCK + i] = d * np.float32(_packed_value(flat, quants, size, i, HIGH_BITS[kind])) + m
             continue
         fifth = 0   # Q5_0's fifth bits, bit i element i's
         if kind == Q5_0 and size == 1:
@@ -1545,19 +1560,17 @@ def _from_q4_k(data: np.ndarray) -> np.ndarray:
 
 
 def _from_q5_k(data: np.ndarray) -> np.ndarray:
-    """Q5_K super-blocks [rows, n / 256 * 176] as blocks [rows, n / 32 * 26] with a d and an m
-    (``_k_scales``, in each block) and the 5-bit values packed (``_packed_values``): a Q5_K value is d sc q -
-    dmin m, with sc and m as in Q4_K. The same weight at 0.8125 bytes a value (Q5_1's layout: ``_from_q5_1``),
-    read by the byte kinds' tiles (``_bytes``)."""
+    """Q5_K super-blocks [rows, n / 256 * 176] as runs of eight blocks [rows, n / 256 * 180] with a d and an m
+    (``_k_scales``: the f16 d and -dmin once a run, each block's sc and m) and the 5-bit values packed
+    (``_packed_values``): a Q5_K value is d sc q - dmin m, with sc and m as in Q4_K. The same weight at 0.703
+    bytes a value (GGUF's 0.6875), read by the byte kinds' tiles (``_bytes``)."""
     super_blocks = _super_blocks(data, "Q5_K", 176)
     n = super_blocks.shape[0]
     # low 4 bits: 32 bytes per pair of sub-blocks, low nibbles first; the 5th bit of sub-block j: bit j
     nibbles = (super_blocks[:, 48:].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
     fifth = (super_blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
-    fields, multipliers = _k_scales(super_blocks)
     values = (nibbles.reshape(n, 8, 32) | (fifth << np.uint8(4))).reshape(-1, BLOCK)
-    return _k_blocks(data.shape[0], [np.repeat(field, SUPER) for field in fields], multipliers,
-                     _packed_values(values, HIGH_BITS[Q5_K]), False)
+    return _k_blocks(data.shape[0], *_k_scales(super_blocks), _packed_values(values, HIGH_BITS[Q5_K]), True)
 
 
 def _from_q6_k(data: np.ndarray) -> np.ndarray:
@@ -1586,13 +1599,13 @@ def _five_bits(high: np.ndarray, low: np.ndarray) -> np.ndarray:
 
 
 def _from_q5_1(data: np.ndarray) -> np.ndarray:
-    """Q5_1 blocks [rows, n / 32 * 24] as Q5_K's blocks: the fields d and m with multipliers 1, the values q
-    packed as Q5_K's; a Q5_1 value is d q + m, as Q5_K's are."""
+    """Q5_1 blocks [rows, n / 32 * 24] as blocks [rows, n / 32 * 26]: the f16 fields d and m, multipliers 1,
+    the values q packed as Q5_K's; a Q5_1 value is d q + m, as Q5_K's are, and the same tiles read it."""
     blocks = _super_blocks(data, "Q5_1", 24)
     d, m = (blocks[:, at:at + 2].copy().view(np.float16) for at in (0, 2))
     one = np.ones(len(blocks), np.int8)
     return _k_blocks(data.shape[0], [d, m], [one, one],
-                     _packed_values(_five_bits(blocks[:, 4:8], blocks[:, 8:]), HIGH_BITS[Q5_K]), False)
+                     _packed_values(_five_bits(blocks[:, 4:8], blocks[:, 8:]), HIGH_BITS[Q5_1]), False)
 
 
 _CONVERSIONS = {"Q4_K": _from_q4_k, "Q6_K": _from_q6_k, "Q5_K": _from_q5_k, "Q5_1": _from_q5_1}
