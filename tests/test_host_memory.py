@@ -10,24 +10,53 @@ import numpy as np
 
 from lse_backends.jit import JitDevice
 from lse_core.devices.hookspec import CompileContext
-from lse_core.devices.host_memory import sparse_zeros
+from lse_core.devices.host_memory import ARENA_BYTES, HUGE_PAGE, HugePageArena, sparse_zeros
 from lse_core.graph.ir import Step
 from lse_core.graph.plan import Plan
 from lse_core.model.arch import build_graph
 from lse_core.model.gguf import load_gguf
 
 
-def resident_kib(address: int) -> int:
-    """Resident KiB of the mapping that holds ``address``."""
+def smaps_field(address: int, field: str) -> int:
+    """Field ``field`` (e.g. "Rss", in KiB) of /proc/self/smaps for the mapping that holds ``address``."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         fields = line.split()
         if "-" in fields[0] and not fields[0].endswith(":"):
             start, end = (int(a, 16) for a in fields[0].split("-"))
             inside = start <= address < end
-        elif inside and fields[0] == "Rss:":
+        elif inside and fields[0] == f"{field}:":
             return int(fields[1])
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def resident_kib(address: int) -> int:
+    """Resident KiB of the mapping that holds ``address``."""
+    return smaps_field(address, "Rss")
+
+
+def address_of(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
+def test_an_arena_packs_arrays_into_memory_advised_to_take_huge_pages():
+    """HugePageArena: each array at a cache line, one after another from a huge page boundary, in a mapping
+    the kernel may back with transparent huge pages (THPeligible, where THP is not switched off); an array
+    of ARENA_BYTES or more gets a mapping of its own. Nothing of a mapping is resident until written."""
+    arena = HugePageArena()
+    small, odd, wide = arena.empty((3, 100)), arena.empty((5, 7), np.float32), arena.empty((1000, 1000))
+    assert (small.shape, odd.shape, odd.dtype, wide.shape) == ((3, 100), (5, 7), np.float32, (1000, 1000))
+    assert all(a.flags.c_contiguous and a.flags.writeable for a in (small, odd, wide))
+    assert address_of(small) % HUGE_PAGE == 0
+    assert address_of(odd) == address_of(small) + 320 and address_of(wide) == address_of(odd) + 192
+    assert resident_kib(address_of(small)) == 0
+    wide[:] = 7
+    odd[:] = 1.5
+    assert resident_kib(address_of(small)) >= 900 and (wide == 7).all() and (odd == 1.5).all()
+    large = arena.empty((ARENA_BYTES + 1,))
+    assert address_of(large) % HUGE_PAGE == 0 and address_of(arena.empty((1,))) == address_of(wide) + 10 ** 6
+    if "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+        assert smaps_field(address_of(small), "THPeligible") == 1 == smaps_field(address_of(large), "THPeligible")
 
 
 def test_a_sparse_cache_commits_only_the_pages_written():

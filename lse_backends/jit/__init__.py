@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from lse_core.devices.hookspec import Backend, CompileContext, Device, DeviceInfo, Kernel, hookimpl
-from lse_core.devices.host_memory import sparse_zeros
+from lse_core.devices.host_memory import HugePageArena, sparse_zeros
 from lse_core.graph.fuse import FusedGroup
 from lse_core.graph.ir import SAMPLING_OP_NEEDED, Node, Step, rope_cos_sin
 
@@ -50,6 +50,7 @@ class JitDevice(Device):
         # prepared once; the source is kept so its id stays unique
         self._prepared: dict[int, tuple[Any, Any]] = {}
         self._decoded_types: set[str] = set()   # GGUF types decoded to float32, each reported once
+        self._arena = HugePageArena()   # the quantized layouts, in huge pages
 
     def _weight(self, weight: Any) -> tuple[int, np.ndarray] | np.ndarray:
         """(kind, blocks) for a GGUF type the quantized kernels read in place, else a float32 array."""
@@ -57,7 +58,7 @@ class JitDevice(Device):
         if entry is None:
             qtype = getattr(weight, "qtype", None)
             if qtype in quant.KINDS and weight.shape[-1] % quant.BLOCK == 0:
-                form: Any = quant.prepare(qtype, weight.data)
+                form: Any = quant.prepare(qtype, weight.data, self._arena.empty)
             else:  # other types decode once, exactly, to float32
                 array = weight.dequantize() if hasattr(weight, "dequantize") else weight
                 form = np.ascontiguousarray(array, np.float32)
@@ -103,6 +104,7 @@ class JitDevice(Device):
 
     def close(self) -> None:
         self._prepared.clear()
+        self._arena = HugePageArena()
 
 
 def llvm_host_cpu() -> str:

@@ -88,7 +88,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 from gguf import quants as gguf_quants
@@ -1612,10 +1612,12 @@ _CONVERSIONS = {"Q4_K": _from_q4_k, "Q6_K": _from_q6_k, "Q5_K": _from_q5_k, "Q5_
 PREPARE_ROWS = 4096   # rows converted and laid out at a time: a large embedding's temporaries stay small
 
 
-def prepare(qtype: str, data: np.ndarray) -> tuple[int, np.ndarray]:
+def prepare(qtype: str, data: np.ndarray,
+            empty: Callable[[tuple[int, int]], np.ndarray] = lambda shape: np.empty(shape, np.uint8)
+            ) -> tuple[int, np.ndarray]:
     """(kind, blocks) that ``linear`` and ``embed_rows`` read, from a GGUF weight's blocks of a type in
-    KINDS: a new array of the same shape and size (for the types in ``_CONVERSIONS``, of the converted
-    blocks'; see the module doc)."""
+    KINDS: a new uint8 array from ``empty`` of the same shape and size (for the types in ``_CONVERSIONS``,
+    of the converted blocks'; see the module doc)."""
     kind = KINDS[qtype]
     data = np.asarray(data, np.uint8)
     convert = _CONVERSIONS.get(qtype)
@@ -1626,7 +1628,7 @@ def prepare(qtype: str, data: np.ndarray) -> tuple[int, np.ndarray]:
         part = data[start:start + PREPARE_ROWS]
         part = convert(part) if convert else part
         if blocks is None:
-            blocks = np.empty((data.shape[0], part.shape[1]), np.uint8)
+            blocks = empty((data.shape[0], part.shape[1]))
         grouped = part.shape[0] // GROUP * GROUP
         if grouped:
             blocks[start:start + grouped] = _interleave(part[:grouped], kind)

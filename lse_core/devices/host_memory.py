@@ -1,5 +1,6 @@
 """Host memory for buffers that fill in slowly, like KV caches: sized for every slot and position, but
-resident only where written; and the heap's freed memory handed back to the OS."""
+resident only where written; for weights that every step streams, in 2 MiB pages; and the heap's freed
+memory handed back to the OS."""
 
 from __future__ import annotations
 
@@ -24,6 +25,48 @@ def sparse_zeros(shape: tuple[int, ...], dtype: np.dtype | type = np.float32) ->
     if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux
         pages.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(pages, dtype).reshape(shape)  # the array keeps the mapping alive
+
+
+HUGE_PAGE = 2 << 20      # x86-64's transparent huge page
+ARENA_BYTES = 64 << 20   # one mapping of HugePageArena, which arrays of this size and more get to themselves
+ALIGN = 64               # a cache line: where each array of an arena starts
+
+
+def huge_pages(nbytes: int) -> np.ndarray:
+    """``nbytes`` bytes (uint8), rounded up to whole huge pages, of a private anonymous mapping that starts on
+    a huge page boundary and is advised MADV_HUGEPAGE (numpy advises only arrays of 4 MiB and more, from
+    wherever malloc put them, so their ends stay in 4 KiB pages, and smaller ones are 4 KiB pages throughout).
+    The array keeps the mapping alive."""
+    size = -(-max(nbytes, 1) // HUGE_PAGE) * HUGE_PAGE
+    pages = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = np.frombuffer(pages, np.uint8)
+    skip = -whole.ctypes.data % HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
+        pages.madvise(mmap.MADV_HUGEPAGE, skip, size)
+    return whole[skip:skip + size]
+
+
+class HugePageArena:
+    """Arrays packed one after another (each at a cache line) into huge pages (``huge_pages``): a device's
+    layouts of the weights, which a decode step streams from memory. On a VM each 4 KiB page costs the
+    stream a nested page walk, and the hardware prefetchers stop at every 4 KiB boundary: on the 2-core
+    Xeon, one thread streaming 7 Q4_K matrices of 8192 x 2048 (9.7 MB each, mostly in the huge pages numpy
+    asked for) ran at 7.8-8.6 GB/s, the same matrices in one arena at 11.4-11.7. A mapping's unused tail
+    is never touched, so it is never resident."""
+
+    def __init__(self) -> None:
+        self._free = np.empty(0, np.uint8)
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype | type = np.uint8) -> np.ndarray:
+        """An uninitialized C-contiguous array in the arena."""
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        if nbytes >= ARENA_BYTES:
+            return huge_pages(nbytes)[:nbytes].view(dtype).reshape(shape)
+        if nbytes > self._free.nbytes:
+            self._free = huge_pages(ARENA_BYTES)
+        array = self._free[:nbytes].view(dtype).reshape(shape)
+        self._free = self._free[-(-nbytes // ALIGN) * ALIGN:]
+        return array
 
 
 @functools.cache
