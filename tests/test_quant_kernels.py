@@ -276,6 +276,13 @@ def packed_values(quants: np.ndarray, high_bits: int) -> np.ndarray:
     return values
 
 
+def group_values(quants: np.ndarray, high_bits: int) -> np.ndarray:
+    """A row group's block's values [8 rows, 32] from its quant bytes, four bytes of a row together (bytes
+    4 p .. 4 p + 3 of row r at 32 p + 4 r)."""
+    rows = quants.reshape(-1, 8, 4).transpose(1, 0, 2).reshape(8, -1)
+    return np.array([packed_values(row, high_bits) for row in rows])
+
+
 def test_q6_k_is_laid_out_as_runs_of_packed_blocks_with_a_scale_per_half_sharing_the_super_blocks_f16_d():
     """Q6_K's 210-byte super-blocks become runs of 210 bytes, GGUF's size: the super-block's f16 d once, then
     eight 26-byte blocks (the block's two int8 sc, the 6-bit values as 16 bytes of nibbles and 8 of high
@@ -293,8 +300,7 @@ def test_q6_k_is_laid_out_as_runs_of_packed_blocks_with_a_scale_per_half_sharing
     run = laid_out[:8].reshape(-1)[8 * 210:2 * 8 * 210]        # the first group's second run
     block = run[8 * 2 + 5 * 8 * 26:][:8 * 26]                  # its sixth block
     d, d2 = k_header(run[:8 * 2], block[:16], rows=8)
-    quants = block[16:].reshape(6, 8, 4).transpose(1, 0, 2).reshape(8, 24)   # four bytes of a row together
-    values = np.array([packed_values(row, 2) - 32 for row in quants], np.float32)
+    values = (group_values(block[16:], 2) - 32).astype(np.float32)
     np.testing.assert_array_equal(d[:, None] * values[:, :16], dense[:8, 256 + 160:256 + 176])
     np.testing.assert_array_equal(d2[:, None] * values[:, 16:], dense[:8, 256 + 176:256 + 192])
     with pytest.raises(ValueError):
@@ -317,8 +323,7 @@ def test_q5_k_is_laid_out_as_runs_of_packed_blocks_whose_scale_and_min_share_the
     run = laid_out[:8].reshape(-1)[8 * 180:2 * 8 * 180]        # the first group's second run
     block = run[8 * 4 + 3 * 8 * 22:][:8 * 22]                  # its fourth block
     d, m = k_header(run[:8 * 4], block[:16], rows=8)
-    quants = block[16:].reshape(5, 8, 4).transpose(1, 0, 2).reshape(8, 20)   # four bytes of a row together
-    values = np.array([packed_values(row, 1) for row in quants], np.float32)
+    values = group_values(block[16:], 1).astype(np.float32)
     np.testing.assert_array_equal(d[:, None] * values + m[:, None], dense[:8, 256 + 96:256 + 128])
 
 
@@ -335,8 +340,7 @@ def test_q5_1_is_laid_out_as_packed_blocks_with_their_own_scale_and_min():
                                       dense[36, 32 * b:32 * b + 32])
     block = laid_out[:8].reshape(-1)[3 * 8 * 26:4 * 8 * 26]    # the first group's fourth block
     d, m = k_header(block[:8 * 4], block[8 * 4:8 * 6], rows=8)
-    quants = block[8 * 6:].reshape(5, 8, 4).transpose(1, 0, 2).reshape(8, 20)
-    values = np.array([packed_values(row, 1) for row in quants], np.float32)
+    values = group_values(block[8 * 6:], 1).astype(np.float32)
     np.testing.assert_array_equal(d[:, None] * values + m[:, None], dense[:8, 96:128])
 
 
