@@ -22,15 +22,15 @@ from lse_backends.jit import amx, vector
 
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 # K super-blocks hold 256 values: one, two and three of them a row, in the same row counts
-K_SHAPES = ((8, 256), (24, 512), (37, 768), (5, 256), (200, 256), (600, 256))
+K_SHAPES = ((8, 256), (24, 512), (37, 768), (5, 256), (200, 256), (2400, 256))
 K_BLOCKS = {"Q4_K": (144, 0), "Q6_K": (210, 208), "Q5_K": (176, 0)}   # super-block bytes, where its f16 d
                                                                     # (and dmin, but Q6_K's) is
 TOKENS = (1, 2, 3, 5, 16, 37)  # one-token passes, 4-token tiles, panels, GEMM tiles, and the remainders each
                                # leaves
 # rows: one group (the two-group tile clamped), an odd number of groups, groups plus 5 rows kept as
-# stored, only such rows; 200 rows split into several work items from 2 tokens, 600 rows from 1. n: one
+# stored, only such rows; 200 rows split into several work items from 16 tokens, 2400 rows from 1. n: one
 # block, odd and even numbers of blocks.
-SHAPES = ((8, 32), (24, 96), (37, 320), (5, 64), (200, 320), (600, 256))
+SHAPES = ((8, 32), (24, 96), (37, 320), (5, 64), (200, 320), (2400, 256))
 RNG = np.random.default_rng(0)
 
 
