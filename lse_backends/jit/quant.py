@@ -247,6 +247,14 @@ def _shift_bytes(builder: ir.IRBuilder, value: ir.Value, shift: int) -> ir.Value
     return builder.lshr(value, vector(-shift, v32i8)) if shift < 0 else value
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _high_bit_at(high_bits, half, j):
+    """a, where element j + 16 half of a block keeps its high bits among its row's high bytes: from bit a % 8
+    of byte 4 (a // 8) + j % 4 (``_packed_values``). The four elements of a nibble load (j // 4) share a, so
+    one shift puts them all in place (``_bytes``)."""
+    return high_bits * (2 * (j // 4) + half)
+
+
 def _bytes(builder: ir.IRBuilder, kind: int, block: ir.Value, p: int) -> ir.Value:
     """<32 x i8>: quant load p of a byte kind's (Q8_0, Q6_K, Q5_K, Q5_1) group block at ``block``, elements
     4 p .. 4 p + 3 of a row in each 32-bit lane, as the tiles multiply them: Q8_0's bytes as stored; Q6_K's
@@ -258,7 +266,7 @@ def _bytes(builder: ir.IRBuilder, kind: int, block: ir.Value, p: int) -> ir.Valu
     half, nibble_load = divmod(p, 4)     # element 4 p + e is nibble ``half`` of byte 4 nibble_load + e
     raw = load(builder, block, quants + 32 * nibble_load, v32i8)
     value = builder.lshr(raw, vector(4, v32i8)) if half else builder.and_(raw, vector(15, v32i8))
-    at = high_bits * (2 * nibble_load + half)   # its high bits' place in the row's high bytes, as a bit index
+    at = _high_bit_at.py_func(high_bits, half, 4 * nibble_load)   # the same bit of each of the load's bytes
     high = load(builder, block, quants + 32 * (4 + at // 8), v32i8)
     mask = vector(((1 << high_bits) - 1) << 4, v32i8)
     value = builder.or_(value, builder.and_(_shift_bytes(builder, high, 4 - at % 8), mask))
@@ -1398,7 +1406,7 @@ def _packed_value(flat, quants, size, i, high_bits):
     """Element i of a block of Q6_K's, Q5_K's or Q5_1's (``_packed_values``) whose row's quant bytes start
     at ``quants``."""
     half, j = i // (BLOCK // 2), i % (BLOCK // 2)
-    at = high_bits * (2 * (j // 4) + half)
+    at = _high_bit_at(high_bits, half, j)
     nibble = np.int64(flat[quants + _quant_at(j, size)]) >> (4 * half) & 15
     high = np.int64(flat[quants + _quant_at(BLOCK // 2 + 4 * (at // 8) + j % 4, size)]) >> (at % 8)
     return nibble | (high & ((1 << high_bits) - 1)) << 4
@@ -1529,7 +1537,7 @@ def _packed_values(values: np.ndarray, high_bits: int) -> np.ndarray:
     high = np.zeros((len(values), 4 * high_bits), np.uint8)
     for i in range(BLOCK):
         half, j = divmod(i, BLOCK // 2)
-        at = high_bits * (2 * (j // 4) + half)
+        at = _high_bit_at.py_func(high_bits, half, j)
         high[:, 4 * (at // 8) + j % 4] |= (values[:, i] >> np.uint8(4)) << np.uint8(at % 8)
     return np.concatenate([nibbles, high], axis=1)
 
