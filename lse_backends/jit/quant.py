@@ -765,6 +765,7 @@ def _make_amx_tile(kind: int, planes: int):
                           for k in range(AMX_GROUPS)]
             x_row = row_pointer(builder, x_a, tile, i8)
             n_blocks = builder.extract_value(panel_a.shape, 0)
+            # each set's products, set after set: product c of set ``parity`` at (parity products + c) product_bytes
             dots = cgutils.alloca_once(builder, ir.ArrayType(i8, 2 * products * product_bytes))
             dots.align = amx.ROW_BYTES   # rows stored and loaded whole, never split across cache lines
             dots = builder.bitcast(dots, i8.as_pointer())
@@ -785,8 +786,8 @@ def _make_amx_tile(kind: int, planes: int):
                         product = 2 * parity + c
                         amx.zero(builder, product)
                         amx.dot(builder, product, 4 + c, values, kind in (Q8_0, Q6_K))
-                        amx.store(builder, product, builder.gep(dots, [integer(product * product_bytes)]),
-                                  integer(amx.ROW_BYTES))
+                        at = builder.gep(dots, [integer((parity * products + c) * product_bytes)])
+                        amx.store(builder, product, at, integer(amx.ROW_BYTES))
 
             def scale(b: ir.Value, parity: int) -> None:
                 """acc += block b's products (in ``dots``' half ``parity``) times their scales."""
@@ -798,7 +799,7 @@ def _make_amx_tile(kind: int, planes: int):
                 for span in range(spans):
                     d, m = header[span], header[1] if kind in WITH_MIN else None
                     for c in range(amx.ROWS):
-                        at = (2 * parity + span * planes) * product_bytes + c * amx.ROW_BYTES
+                        at = (parity * products + span * planes) * product_bytes + c * amx.ROW_BYTES
                         dot = load(builder, dots, at, v16i32)
                         if planes == 2:
                             dot = builder.add(builder.shl(dot, vector(PLANE_SCALE.bit_length() - 1, v16i32)),
