@@ -57,8 +57,8 @@ import json, logging, os, sys
 logging.basicConfig(level="WARNING", format="%(message)s", stream=sys.stderr)
 if os.environ.get("BROKEN_SECOND_PROCESS"):
     sys.executable = "/bin/false"   # the second process exits 1 at once
-from lse_backends.jit import cache, program
-program.compiled_kernels()
+from lse_backends.jit import cache, program, quant
+program.compiled_kernels(quant.kinds_mask(["Q4_1", "Q8_0"]))
 print(json.dumps({"compiled": [c.name for c in cache.COMPILED]}))
 """
 
@@ -74,10 +74,11 @@ def compile_the_kernels(tmp_path: Path, **env: str) -> tuple[list[str], list[str
 def test_a_cold_compile_shares_the_kernels_with_a_second_process_and_does_its_share_should_it_fail(tmp_path):
     """Two processes compile a cold cache's kernels at once (numba compiles under one lock per process); this
     one loads the other's from the disk cache. Should the other fail, this one compiles them and says why."""
-    from lse_backends.jit import program
+    from lse_backends.jit import program, quant
 
     compiled, lines = compile_the_kernels(tmp_path)
-    second = {f"quant.{n}" if n == "linear_pairs" else f"attention.{n}" for n in program.SECOND_PROCESS}
+    linear_pairs = quant.linear_pairs_for(quant.kinds_mask(["Q4_1", "Q8_0"])).__name__
+    second = {f"quant.{linear_pairs}" if n == "linear_pairs" else f"attention.{n}" for n in program.SECOND_PROCESS}
     second.add("sampling.sample")
     assert {"program._work", "program._run", "program.execute"} <= set(compiled)
     if len(os.sched_getaffinity(0)) == 1:   # one core: no second process, all compiled here

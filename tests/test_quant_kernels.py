@@ -153,6 +153,35 @@ def test_q4_activations_take_two_planes_in_the_steps_a_products_wide_names(qtype
         assert_close_to_reference(out, seen_by_kernels(qtype, x, wide), dense)
 
 
+# A Q4_K_M model's kinds and two more (nibbles, packed bytes, bytes, fifth bits, and AMX's shared Q4_1 tiles);
+# one kind alone, whose AMX tiles take one plane in prefill (its stack holds no other tile's buffers)
+@pytest.mark.parametrize("plan_kinds", [("Q4_K", "Q6_K", "Q8_0", "Q5_0"), ("Q5_0",)])
+def test_a_plans_linear_pairs_holds_its_kinds_tiles_alone_with_every_kinds_bits(plan_kinds):
+    """quant.linear_pairs_for(mask), what a model's programs call: on every path (the token counts) and with
+    rows kept as stored, each kind of the mask gives linear's bits (every kind's tiles); a kind outside it
+    gets nothing from the row groups' tiles, which are not compiled in."""
+    mask = quant.kinds_mask(plan_kinds)
+    linear_pairs = quant.linear_pairs_for(mask)
+    assert quant.linear_pairs_for(mask) is linear_pairs and mask == sum(1 << quant.KINDS[q] for q in plan_kinds)
+    rows, n = 37, 512
+    for qtype in (*plan_kinds, "Q4_0"):
+        blocks, _ = gguf_weight(qtype, rows, n)
+        kind, laid_out = prepared(qtype, blocks)
+        for tokens in TOKENS:
+            x = RNG.standard_normal((tokens, n)).astype(np.float32)
+            expected, out = (np.full((tokens, rows), np.nan, np.float32) for _ in range(2))
+            quant.linear(kind, laid_out, x, expected)
+            scratch = quant.activation_scratch(tokens, n)
+            quant.quantize_activations(kind, x, scratch)
+            written = linear_pairs(kind, laid_out, x, out, 0, quant.linear_items_most(rows), scratch, False,
+                                   quant.WIDE_PREFILL)
+            assert written == (0, rows)
+            if qtype in plan_kinds:
+                np.testing.assert_array_equal(out, expected)
+            else:
+                assert np.isnan(out[:, :rows // quant.GROUP * quant.GROUP]).all()
+
+
 def test_linear_reads_activation_rows_through_their_stride():
     """x and out may be the leading rows of larger buffers (how the jit programs pass them)."""
     blocks, dense = gguf_weight("Q4_1", 24, 96)
@@ -395,7 +424,7 @@ def test_every_instruction_set_the_host_has_gives_the_same_floats(tmp_path, isa)
             out = np.full((tokens, 40), np.nan, np.float32)
             scratch = quant.activation_scratch(tokens, 256)
             quant.quantize_activations(kind, x[:tokens], scratch)
-            quant._groups(kind, laid_out, x[:tokens], out, 0, 5, scratch)
+            quant._groups(quant.ALL_KINDS, kind, laid_out, x[:tokens], out, 0, 5, scratch)
             assert_close_to_reference(out, seen_by_kernels(qtype, x[:tokens]), dense)
             expected[qtype, tokens] = out
     script = (
@@ -410,7 +439,7 @@ def test_every_instruction_set_the_host_has_gives_the_same_floats(tmp_path, isa)
         "        w = np.load(f'{d}/{q}.npy'); w.flags.writeable = False\n"
         "        scratch = quant.activation_scratch(t, 256)\n"
         "        quant.quantize_activations(quant.KINDS[q], x[:t], scratch)\n"
-        "        quant._groups(quant.KINDS[q], w, x[:t], out, 0, 5, scratch)\n"
+        "        quant._groups(quant.ALL_KINDS, quant.KINDS[q], w, x[:t], out, 0, 5, scratch)\n"
         "        np.save(f'{d}/{q}.{t}.npy', out)\n"
     )
     env = dict(os.environ, LSE_JIT_ISA=isa, NUMBA_CACHE_DIR=str(tmp_path / "numba"),

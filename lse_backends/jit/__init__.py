@@ -75,7 +75,8 @@ class JitDevice(Device):
     def compile(self, group: FusedGroup, weights: Mapping[str, Any], ctx: CompileContext) -> Kernel | str:
         if group.sampling_op is not None:
             return _sampling_kernel(group, ctx)
-        program.second_compile()   # a cold cache: the program kernels' share of a second process starts now
+        kinds = quant.kinds_mask(ctx.weight_types)   # the model's: one linear_pairs for all its programs
+        program.second_compile(kinds)   # a cold cache: the program kernels' share of a second process starts now
         if codegen.unsupported(group) is None:
             fused = codegen.compile_elementwise(group)
             instructions = [Instruction(FUSED, group.outputs, group.inputs, (fused,))]
@@ -87,7 +88,7 @@ class JitDevice(Device):
             node = group.nodes[0]
             instructions = [factory(self, node, [weights[p] for p in node.params], ctx)]
         return program.Program(instructions, group.inputs, group.outputs, ctx.max_tokens, ctx.kv_len, ctx.kv_slots,
-                               ctx.deterministic)
+                               ctx.deterministic, kinds)
 
     def can_link(self, kernel: Kernel) -> bool:
         return isinstance(kernel, program.Program)

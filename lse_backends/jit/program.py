@@ -12,6 +12,7 @@ numba typed lists of one type each, so ``execute`` has one signature for every m
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -182,7 +183,8 @@ def _items(c, phase, n, acts, mats, qmats, caches, n_threads):
 def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, caches, fns, tokens, positions,
          row_slot, sample_rows, scratch, row_invariant, linear_pairs, store_kv, attention):
     """Work item ``item`` of ``n_items`` of instruction ``c``'s phase, on n rows; the largest kernels are
-    the last arguments' (quant.linear_pairs, attention.store_kv and attention.attention, see ``compiled_kernels()``)."""
+    the last arguments' (a plan's linear_pairs, attention.store_kv and attention.attention, see
+    ``compiled_kernels``)."""
     op, out = c[0], c[OUT]
     t0, t1 = _span(n, n_items, item)  # the item's rows, for the row-wise ops
     if op == EMBED:
@@ -301,9 +303,10 @@ def execute(kernels, code, floats, acts, flats, rows, mats, qmats, vecs, caches,
                       kernels[2][0], kernels[3][0], kernels[4][0])
 
 
-# name -> (function, its type as execute passes it), in execute's order
+# name -> (function, its type as execute passes it), in execute's order; linear_pairs is made for the weight
+# kinds of a plan (``quant.linear_pairs_for``: a model compiles its own kinds' tiles alone)
 _KERNELS = {"work": (_work, types.FunctionType(_WORK_SIGNATURE)), "run": (_run, _RUN),
-            "linear_pairs": (quant.linear_pairs, _LINEAR_PAIRS), "store_kv": (attention.store_kv, _STORE_KV),
+            "linear_pairs": (quant.linear_pairs_for, _LINEAR_PAIRS), "store_kv": (attention.store_kv, _STORE_KV),
             "attention": (attention.attention, _ATTENTION)}
 # The kernels a second process compiles on a cold start (``compile_second_share``), with code whose types are
 # known without them, while this one compiles the rest: about half the CPU time each (measured cold, one
@@ -336,18 +339,25 @@ def _listed(work, run, linear_pairs, store_kv, attention):
     return _one(work), _one(run), _one(linear_pairs), _one(store_kv), _one(attention)
 
 
-def compile_kernels(names: Sequence[str]) -> None:
-    """Compile these of _KERNELS for their types, or load them from the disk cache."""
+def _kernel(name: str, kinds: int) -> tuple[Any, types.FunctionType]:
+    """_KERNELS' function of this name (linear_pairs: for weights of the ``kinds`` mask) and its type."""
+    function, kind = _KERNELS[name]
+    return (function(kinds) if name == "linear_pairs" else function), kind
+
+
+def compile_kernels(names: Sequence[str], kinds: int) -> None:
+    """Compile these of _KERNELS for their types (linear_pairs for weights of the ``kinds`` mask), or load
+    them from the disk cache."""
     for name in names:
-        function, kind = _KERNELS[name]
+        function, kind = _kernel(name, kinds)
         function.compile(kind.signature)
 
 
-def compile_second_share() -> None:
-    """What the second process compiles: SECOND_PROCESS's kernels, then code whose types are known without
-    a model (the typed lists' builders, and sampling.sample, which a step's first token would compile after
-    the program), all of it loaded from the cache here later."""
-    compile_kernels(SECOND_PROCESS)
+def compile_second_share(kinds: int) -> None:
+    """What the second process compiles: SECOND_PROCESS's kernels (linear_pairs for weights of the ``kinds``
+    mask), then code whose types are known without a model (the typed lists' builders, and sampling.sample,
+    which a step's first token would compile after the program), all of it loaded from the cache here later."""
+    compile_kernels(SECOND_PROCESS, kinds)
     for element in _LIST_TYPES.values():
         if isinstance(element, types.Array):
             _array_list.compile((types.List(element, reflected=True), types.int64))
@@ -355,35 +365,43 @@ def compile_second_share() -> None:
 
 
 @functools.cache
-def second_compile() -> cache.CompileBeside | None:
-    """The second process's share compiling (``compile_second_share``), started where the disk cache lacks
-    SECOND_PROCESS's kernels; None where it has them. jit:0 starts it at its first group's compile, while
-    this process lays out the weights and compiles the elementwise groups: the two shares then end together."""
-    if all(cache.is_cached(function, kind.signature) for function, kind in (_KERNELS[n] for n in SECOND_PROCESS)):
+def second_compile(kinds: int) -> cache.CompileBeside | None:
+    """The second process's share compiling (``compile_second_share``) for a model's weights of the ``kinds``
+    mask, started where the disk cache lacks SECOND_PROCESS's kernels; None where it has them. jit:0 starts it
+    at its first group's compile, while this process lays out the weights and compiles the elementwise groups:
+    the two shares then end together."""
+    if all(cache.is_cached(function, kind.signature) for function, kind in (_kernel(n, kinds) for n in SECOND_PROCESS)):
         return None
-    return cache.compile_beside(f"from {__name__} import compile_second_share; compile_second_share()", SECOND_SHARE)
+    return cache.compile_beside(f"from {__name__} import compile_second_share; compile_second_share({kinds})",
+                                SECOND_SHARE)
 
 
 @functools.cache
-def compiled_kernels() -> tuple[typed.List, ...]:
-    """[_work], [_run], [quant.linear_pairs], [attention.store_kv], [attention.attention] as ``execute`` calls
-    them: through function pointers. numba links a callee's code into its caller's and optimizes and emits the
-    whole again, at every level of calls; through a pointer each of these compiles once, on its own: execute
-    in 2 s instead of re-optimizing all of _work in it (25 s of a cold start), and _work without the largest
-    kernels in it (CPU time of the cold compile 42 -> 28 s on the 2-core Zen 3). Being apart, they compile in
-    two processes at once (``second_compile``). Passed in lists: a function argument is looked up at every
-    call (1 ms here). They compile here (or load from the cache), when a program first runs, so that a
-    process that imports the jit backend but runs nothing on jit:0 (another pool) does not compile its
+def compiled_kernels(kinds: int) -> tuple[typed.List, ...]:
+    """[_work], [_run], [linear_pairs for weights of the ``kinds`` mask], [attention.store_kv],
+    [attention.attention] as ``execute`` calls them: through function pointers. numba links a callee's code into its
+    caller's and optimizes and emits the whole again, at every level of calls; through a pointer each of these
+    compiles once, on its own: execute in 2 s instead of re-optimizing all of _work in it (25 s of a cold start),
+    and _work without the largest kernels in it (CPU time of the cold compile 42 -> 28 s on the 2-core Zen 3). Being
+    apart, they compile in two processes at once (``second_compile``). Passed in lists: a function argument is
+    looked up at every call (1 ms here). They compile here (or load from the cache), when a program first runs, so
+    that a process that imports the jit backend but runs nothing on jit:0 (another pool) does not compile its
     half-minute of kernels."""
-    beside = second_compile()
-    compile_kernels([name for name in _KERNELS if name not in SECOND_PROCESS])
-    _listed.compile(_LISTED)
-    execute.compile(_EXECUTE_SIGNATURE)   # only the kernels' types decide it
+    beside = second_compile(kinds)
+    compile_kernels([name for name in _KERNELS if name not in SECOND_PROCESS], kinds)
+    _compile_listed_and_execute()
     if beside is not None:
         beside.join()
-    compile_kernels(SECOND_PROCESS)   # loads what the second process compiled (or, should it have failed, compiles)
+    compile_kernels(SECOND_PROCESS, kinds)   # loads what the second process compiled (or, should it fail, compiles)
+    return _listed(*(_kernel(name, kinds)[0] for name in _KERNELS))
+
+
+@functools.cache
+def _compile_listed_and_execute() -> None:
+    """_listed and execute, once a process: only the kernels' types decide them, whatever the weight kinds."""
+    _listed.compile(_LISTED)
+    execute.compile(_EXECUTE_SIGNATURE)
     _listed.disable_compile()   # as an explicit signature would: the functions convert to their types
-    return _listed(*(function for function, _ in _KERNELS.values()))
 
 
 @dataclass
@@ -409,12 +427,18 @@ def _list_kind(resource: Any) -> str:
 
 
 class Program:
-    """A Kernel: instructions for groups in order, reading ``inputs`` and returning ``outputs``."""
+    """A Kernel: instructions for groups in order, reading ``inputs`` and returning ``outputs``. ``kinds``: the
+    mask (``quant.kinds_mask``) of the weight kinds its linear_pairs is compiled for, its own linears' and
+    any others the model has (one compile for all of a model's programs)."""
 
     def __init__(self, instructions: Sequence[Instruction], inputs: Sequence[str], outputs: Sequence[str],
-                 capacity: int, kv_len: int, kv_slots: int, row_invariant: bool = False) -> None:
+                 capacity: int, kv_len: int, kv_slots: int, row_invariant: bool = False, kinds: int = 0) -> None:
         self.instructions = list(instructions)
         self.row_invariant = row_invariant
+        self.kinds = kinds
+        for ins in self.instructions:
+            if ins.op == LINEAR_Q:
+                self.kinds |= 1 << ins.args[1]
         self.inputs, self.outputs = tuple(inputs), tuple(outputs)
         self.capacity, self.kv_len, self.kv_slots = capacity, kv_len, kv_slots
         self.vocab = min((i.vocab for i in self.instructions if i.vocab), default=0)
@@ -481,7 +505,7 @@ class Program:
     def __call__(self, inputs: Sequence[np.ndarray], step: Step) -> list[np.ndarray]:
         if not self.acts:  # the first run: what every program runs compiles now (or loads from the cache)
             with cache.stage("the program's kernels"):
-                compiled_kernels()
+                compiled_kernels(self.kinds)
                 cache.release_compiler_pages()   # before the step's buffers grow the resident set (its peak)
                 outputs = self._run(inputs, step)
             cache.release_compiler_pages()   # compiled and loaded: LLVM's code is not needed to run it
@@ -501,9 +525,9 @@ class Program:
             self.counters = np.zeros(counter_size(len(self.instructions), n_threads), np.int64)
         indices = [np.ascontiguousarray(a, np.int32) for a in  # _work's signature: int32, contiguous
                    (step.tokens, step.positions, step.slots, step.query_starts, step.sample_rows)]
-        execute(compiled_kernels(), self.code, self.floats, self.typed_acts, self.typed_flats, self.rows, lists["mats"],
-                lists["qmats"], lists["vecs"], lists["caches"], lists["fns"], *indices, self.counters, n_threads,
-                self.row_invariant)
+        execute(compiled_kernels(self.kinds), self.code, self.floats, self.typed_acts, self.typed_flats, self.rows,
+                lists["mats"], lists["qmats"], lists["vecs"], lists["caches"], lists["fns"], *indices, self.counters,
+                n_threads, self.row_invariant)
         return [self.acts[self.slot[name]][:self.rows[self.slot[name]]] for name in self.outputs]
 
     def _check(self, step: Step) -> None:
@@ -520,7 +544,8 @@ def link(programs: Sequence[Program], inputs: Sequence[str], outputs: Sequence[s
     """One program running ``programs`` in order (their groups were consecutive on jit:0)."""
     first = programs[0]
     return Program(_merge_linears([i for p in programs for i in p.instructions]), inputs, outputs, first.capacity,
-                   first.kv_len, first.kv_slots, first.row_invariant)
+                   first.kv_len, first.kv_slots, first.row_invariant,
+                   functools.reduce(operator.or_, (p.kinds for p in programs)))
 
 
 def _merge_linears(instructions: list[Instruction]) -> list[Instruction]:

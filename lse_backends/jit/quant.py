@@ -74,7 +74,7 @@ against 28-29 (the scaling, per block of 32, bounds it: the tile unit does a til
 
 Drivers: a product splits into work items, each a range of row groups that every token tile passes over
 (the range's weights stay in cache while the tiles pass); the tiles prefetch the weight stream ahead.
-``linear_item`` runs one item (programs hand items to their threads; ``linear_pairs`` a range of row
+``linear_item`` runs one item (programs hand items to their threads; ``linear_pairs_for``'s a range of row
 groups), ``linear`` all of them.
 
 Row-invariant (--deterministic): which tile a row meets depends on the step's row count, and the float32
@@ -86,15 +86,17 @@ kinds, so a row's bits do not depend on the other rows. The measured cost is sma
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 from gguf import quants as gguf_quants
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
+from numba.core.dispatcher import Dispatcher
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
@@ -295,15 +297,14 @@ def _with_min(builder: ir.IRBuilder, quants: Iterator[tuple[int, ir.Value]], d: 
 
 
 def _make_q8_0_tile(n_tokens: int, n_chains: int, kind: int = Q8_0):
-    """An intrinsic ``tile(w, g, g_last, x, t, out)`` for Q8_0 (or Q6_K, a scale for each half block; or
-    Q5_K, whose values are d q + m): out[t + c, rows of group g] for c < n_tokens, over float32 activations,
-    each weight decoded once for the tile's tokens. Group and token indices past g_last and x's last row
-    are clamped to them: the clamped tile recomputes and rewrites the same values, so any remainder can
-    use it."""
+    """The typer of a tile (``_by_kind`` makes its intrinsic) ``tile(w, g, g_last, x, t, out)`` for Q8_0 (or Q6_K, a
+    scale for each half block; or Q5_K, whose values are d q + m): out[t + c, rows of group g] for c < n_tokens,
+    over float32 activations, each weight decoded once for the tile's tokens. Group and token indices past g_last
+    and x's last row are clamped to them: the clamped tile recomputes and rewrites the same values, so any remainder
+    can use it."""
     group_block = GROUP * LAYOUT[kind][0]
     span = BLOCK // 2 if kind == Q6_K else BLOCK   # the elements each scale covers
 
-    @intrinsic
     def tile(typingctx, w, g, g_last, x, t, out):
         if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, x, out)):
             raise TypingError("quantized tiles take C-contiguous 2-D arrays")
@@ -455,15 +456,15 @@ def _magnitude(builder: ir.IRBuilder, w: ir.Value) -> ir.Value:
 
 
 def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
-    """An intrinsic ``tile(w, g, g_last, scratch, t, t_last, out)`` for any kind: out[t + c, rows of groups
-    g + k], c < n_tokens, k < n_groups (indices past t_last and g_last clamped to them, as the other
-    tiles'), from int8 activations in ``int8.quantize_compact``'s layout of ``planes`` planes. Per block and
-    row, the dot products of the block's (or, Q6_K, each half's) int8 weights or nibbles with the activation
-    bytes are exact in int32 lanes (``_dot4``, four bytes of a row a lane: each weight vector, gathered once,
-    meets every token's four activation bytes broadcast; with two planes, each plane's, the first's
-    shifted by PLANE_SCALE's bits and added), then acc += d xs dot, plus the offset term m xs sum(xq) (Q4_1,
-    Q4_K, Q5_K) or o d xs sum(xq) (OFFSET: Q4_0, Q5_0), x @ W.T for x = xs * xq. Signed weights (Q8_0,
-    Q6_K) multiply as |w| times x with w's sign."""
+    """The typer of a tile ``tile(w, g, g_last, scratch, t, t_last, out)`` for any kind (``_by_kind``): out[t + c,
+    rows of groups g + k], c < n_tokens, k < n_groups (indices past t_last and g_last clamped to them, as the other
+    tiles'), from int8 activations in ``int8.quantize_compact``'s layout of ``planes`` planes. Per block and row,
+    the dot products of the block's (or, Q6_K, each half's) int8 weights or nibbles with the activation bytes are
+    exact in int32 lanes (``_dot4``, four bytes of a row a lane: each weight vector, gathered once, meets every
+    token's four activation bytes broadcast; with two planes, each plane's, the first's shifted by PLANE_SCALE's
+    bits and added), then acc += d xs dot, plus the offset term m xs sum(xq) (Q4_1, Q4_K, Q5_K) or o d xs sum(xq)
+    (OFFSET: Q4_0, Q5_0), x @ W.T for x = xs * xq. Signed weights (Q8_0, Q6_K) multiply as |w| times x with w's
+    sign."""
     group_block = GROUP * LAYOUT[kind][0]
     nibbles, signed = kind in NIBBLES, kind in (Q8_0, Q6_K)
     loads = BLOCK // 2 // 4 if nibbles else BLOCK // 4   # 32-byte loads of a group block's quants
@@ -473,7 +474,6 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
     pair_sums = 32767 // (2 * 127 * LARGEST[kind])
     spans = 2 if kind == Q6_K else 1   # Q6_K: a d for each half block (loads 0-3, 4-7)
 
-    @intrinsic
     def tile(typingctx, w, g, g_last, scratch, t, t_last, out):
         if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, scratch, out)):
             raise TypingError("quantized tiles take C-contiguous 2-D arrays")
@@ -583,12 +583,11 @@ def _splat_i32(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
 
 
 def _make_unpack(kind: int, n_groups: int):
-    """An intrinsic ``unpack(w, g, g_last, panel)``: row groups g + k, k < n_groups (clamped to g_last),
-    decoded to float32, panel[i, 8 k + r] = W[8 (g + k) + r, i], each w = d q + m (Q8_0: no m; Q6_K: m is
+    """The typer of ``unpack(w, g, g_last, panel)`` (``_by_kind``): row groups g + k, k < n_groups (clamped to
+    g_last), decoded to float32, panel[i, 8 k + r] = W[8 (g + k) + r, i], each w = d q + m (Q8_0: no m; Q6_K: m is
     the second half's d)."""
     group_block = GROUP * LAYOUT[kind][0]
 
-    @intrinsic
     def unpack(typingctx, w, g, g_last, panel):
         if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, panel)):
             raise TypingError("panels are unpacked from and to C-contiguous 2-D arrays")
@@ -684,15 +683,14 @@ def _put(builder: ir.IRBuilder, base: ir.Value, offset: int, value: ir.Value) ->
 
 
 def _make_amx_unpack(kind: int):
-    """An intrinsic ``amx_unpack(w, g, g_last, panel)``: row groups g and g + 1 (clamped to g_last) as the AMX
-    tiles read them, panel[b] ([n_blocks, AMX_BLOCK] bytes) for block b: the block's values as tile rows (row
-    e: elements 4 e .. 4 e + 3 of each of the 16 weight rows, in bytes as the GEMM tiles multiply them:
-    nibbles widened, Q5_0's with their fifth bits), then header values 0 and 1 of the 16 rows as float32
-    (``_scales``: the same floats the GEMM tiles compute)."""
+    """The typer of ``amx_unpack(w, g, g_last, panel)`` (``_by_kind``): row groups g and g + 1 (clamped to g_last)
+    as the AMX tiles read them, panel[b] ([n_blocks, AMX_BLOCK] bytes) for block b: the block's values as tile rows
+    (row e: elements 4 e .. 4 e + 3 of each of the 16 weight rows, in bytes as the GEMM tiles multiply them: nibbles
+    widened, Q5_0's with their fifth bits), then header values 0 and 1 of the 16 rows as float32 (``_scales``: the
+    same floats the GEMM tiles compute)."""
     block_bytes = LAYOUT[kind][0]
     headers = 2 if kind in WITH_MIN or kind == Q6_K else 1
 
-    @intrinsic
     def amx_unpack(typingctx, w, g, g_last, panel):
         if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, panel)):
             raise TypingError("AMX panels are unpacked from and to C-contiguous 2-D arrays")
@@ -729,13 +727,13 @@ def _make_amx_unpack(kind: int):
 
 
 def _make_amx_tile(kind: int, planes: int):
-    """An intrinsic ``amx_tile(panel, g, g_last, x_tiles, i, t0, out)``: out[t0 + c, rows of groups g and g + 1
-    (clamped to g_last)] for c < 16, from the panel ``amx_unpack`` wrote for g and token tile i of the int8
-    activations ``_amx_quantize`` laid out in ``planes`` planes (its tokens t0 .. t0 + 15). Per block, the tile
-    instruction gives each plane's (Q6_K: each half block's) exact int32 dot products, and the float
-    operations after it are the GEMM tiles' (``_make_gemm_tile``), in their order, on 16 rows a vector: the
-    same bits as theirs. The tile instructions of the next block run while the vector units scale this
-    one's products: two sets of product tiles, even and odd blocks (1.5x the rate of one set, measured)."""
+    """The typer of ``amx_tile(panel, g, g_last, x_tiles, i, t0, out)`` (``_by_kind``): out[t0 + c, rows of groups g
+    and g + 1 (clamped to g_last)] for c < 16, from the panel ``amx_unpack`` wrote for g and token tile i of the
+    int8 activations ``_amx_quantize`` laid out in ``planes`` planes (its tokens t0 .. t0 + 15). Per block, the tile
+    instruction gives each plane's (Q6_K: each half block's) exact int32 dot products, and the float operations
+    after it are the GEMM tiles' (``_make_gemm_tile``), in their order, on 16 rows a vector: the same bits as
+    theirs. The tile instructions of the next block run while the vector units scale this one's products: two sets
+    of product tiles, even and odd blocks (1.5x the rate of one set, measured)."""
     spans = 2 if kind == Q6_K else 1
     quads, products = AMX_QUADS // spans, spans * planes
     assert products <= 2, "two sets of product tiles, activation tiles and value tiles fill the eight"
@@ -750,7 +748,6 @@ def _make_amx_tile(kind: int, planes: int):
     product_bytes = amx.ROWS * amx.ROW_BYTES
     x_block, plane_bytes = _amx_x_block.py_func(planes), AMX_TOKENS * BLOCK
 
-    @intrinsic
     def amx_tile(typingctx, panel, g, g_last, x_tiles, i, t0, out):
         if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (panel, x_tiles, out)):
             raise TypingError("AMX tiles take C-contiguous 2-D arrays")
@@ -865,38 +862,82 @@ def _from_a_line(buffer, rows, row_bytes):
 
 
 
+ALL_KINDS = (1 << len(LAYOUT)) - 1   # a ``kinds`` mask (bit k: kind k) of every kind
+BYTE_KINDS = (Q8_0, Q6_K, Q5_K, Q5_1)   # kinds whose tiles widen every value to a byte (see the module doc)
+
+
+def kinds_mask(qtypes: Iterable[str]) -> int:
+    """The ``kinds`` mask of the GGUF types among these that the tiles read in place."""
+    return sum(1 << KINDS[q] for q in set(qtypes) if q in KINDS)
+
+
+def _by_kind(tiles: dict[int, Callable]) -> Callable:
+    """An intrinsic ``call(kinds, kind, *args)`` that runs the tile of weight kind ``kind`` (``tiles``: kind ->
+    a tile's typer; kinds may share one) among those whose bit the mask ``kinds`` sets. Where ``kinds`` is a
+    literal (a plan's kernels, ``linear_pairs_for``) only those kinds' tiles are emitted: a model compiles the
+    tiles of its own weight types and no others. A kind without a tile here does nothing (``_groups`` sends
+    none)."""
+
+    @intrinsic(prefer_literal=True)
+    def call(typingctx, kinds, kind, *args):
+        mask = kinds.literal_value if isinstance(kinds, types.IntegerLiteral) else ALL_KINDS
+        emitted: dict[Callable, list[int]] = {}   # each tile once, with the kinds it serves
+        for k, tile in tiles.items():
+            if mask >> k & 1:
+                emitted.setdefault(tile, []).append(k)
+        typed = [(tile(typingctx, *args), served) for tile, served in emitted.items()]
+
+        def codegen(context, builder, signature, values):
+            which = context.cast(builder, values[1], signature.args[1], types.int64)
+            tile_values = [builder.extract_value(values[2], i) for i in range(len(args))]   # *args: a tuple
+            done = builder.append_basic_block("kind_done")
+            switch = builder.switch(which, done)
+            for (tile_signature, tile_codegen), served in typed:
+                block = builder.append_basic_block("kinds_" + "_".join(map(str, served)))
+                for k in served:
+                    switch.add_case(ir.Constant(which.type, k), block)
+                builder.position_at_end(block)
+                tile_codegen(context, builder, tile_signature, tile_values)
+                builder.branch(done)
+            builder.position_at_end(done)
+            return context.get_dummy_value()
+
+        return types.void(kinds, kind, types.StarArgTuple(args)), codegen
+
+    return call
+
+
+def _each(kinds: Iterable[int], make: Callable[[int], Callable]) -> dict[int, Callable]:
+    return {kind: make(kind) for kind in kinds}
+
+
 # Tile shapes, the fastest measured on Zen 3. Q8_0 float32 tiles: four tokens with two partial sums each.
-_q8_0_4, _q6_k_4, _q5_k_4, _q5_1_4 = (_make_q8_0_tile(4, 2, kind) for kind in (Q8_0, Q6_K, Q5_K, Q5_1))
+_FOUR_TOKENS = _by_kind(_each(BYTE_KINDS, lambda kind: _make_q8_0_tile(4, 2, kind)))
 # GEMM tiles (int8 activations, steps past INT8_TOKENS): groups x tokens. One thread on Zen 4 (AVX-512 VNNI),
 # 256 rows x 896 x 256 tokens, GMAC/s of CPU time, Q8_0 / Q4_0: 1 x 4 65 / 119, 2 x 2 55 / 102, 2 x 3 80 / 119,
 # 2 x 4 74 / 101, 1 x 8 63 / 127, 4 x 2 75 / 95. 2 x 3 keeps 6 float and 6 int32 accumulators, two weight
 # vectors and a broadcast within AVX2's 16 registers.
 GEMM_GROUPS, GEMM_TOKENS = 2, 3
-_q4_0_gemm, _q4_1_gemm, _q8_0_gemm, _q4_k_gemm, _q6_k_gemm, _q5_k_gemm, _q5_0_gemm, _q5_1_gemm = (
-    _make_gemm_tile(kind, GEMM_GROUPS, GEMM_TOKENS) for kind in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K, Q5_0, Q5_1))
+_GEMM = _by_kind(_each(range(len(LAYOUT)), lambda kind: _make_gemm_tile(kind, GEMM_GROUPS, GEMM_TOKENS)))
 # Two-plane tiles (Q4 weights' prefill): one thread on Zen 3, a 512-token chunk of 4864 x 896 Q4_0, 2 x 3
 # 29.9 ms, 2 x 2 32.8, 1 x 2 30.0, 2 x 1 30.1, 1 x 4 33.0 (one plane 16.4-18.7, float32 panels 44.5)
-_q4_0_planes, _q4_1_planes, _q4_k_planes = (
-    _make_gemm_tile(kind, GEMM_GROUPS, GEMM_TOKENS, 2) for kind in (Q4_0, Q4_1, Q4_K))
+_GEMM_PLANES = _by_kind(_each((Q4_0, Q4_1, Q4_K), lambda kind: _make_gemm_tile(kind, GEMM_GROUPS, GEMM_TOKENS, 2)))
 # One-token GEMM tiles (the int8 kinds' steps of up to ONE_TOKEN_PASSES tokens: decode), on the compact
 # activations: their byte a value stays in L1 where the former int8 tiles' 8 (a copy per row of the group)
 # spilled to L2 on wide rows. Streaming 40 distinct Q4_0 weights, 2 threads, Zen 3: 8960 x 1536 27-31 GB/s
 # against 20-21 through those tiles, 1536 x 8960 23 against 14, 8960 x 896 34-36 against 26-29 (the same
 # bits); two groups a tile ran slower (12-23 GB/s). At 16 tokens the 2 x 3 GEMM tiles took 8960 x 1536 in
 # 27 ms against their 36 (1536 x 8960 alike): the int8 kinds' steps of 3 to 16 tokens take them too.
-_q4_0_gemv, _q4_1_gemv, _q4_k_gemv, _q5_0_gemv = (_make_gemm_tile(kind, 1, 1) for kind in (Q4_0, Q4_1, Q4_K, Q5_0))
-_q4_0_gemv_planes, _q4_1_gemv_planes, _q4_k_gemv_planes, _q8_0_gemv_planes, _q6_k_gemv_planes, _q5_k_gemv_planes, \
-    _q5_1_gemv_planes = (_make_gemm_tile(kind, 1, 1, 2) for kind in (Q4_0, Q4_1, Q4_K, Q8_0, Q6_K, Q5_K, Q5_1))
+_GEMV = _by_kind(_each((Q4_0, Q4_1, Q4_K, Q5_0), lambda kind: _make_gemm_tile(kind, 1, 1)))
+_GEMV_PLANES = _by_kind(_each((Q4_0, Q4_1, Q4_K, *BYTE_KINDS), lambda kind: _make_gemm_tile(kind, 1, 1, 2)))
 # AMX tiles, by the float operations after the products: Q4_1's serve Q4_K, Q5_K and Q5_1 too (d and m)
-_q4_0_amx_unpack, _q4_1_amx_unpack, _q8_0_amx_unpack, _q4_k_amx_unpack, _q6_k_amx_unpack, _q5_k_amx_unpack, \
-    _q5_0_amx_unpack, _q5_1_amx_unpack = (_make_amx_unpack(kind) for kind in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K,
-                                                                              Q5_0, Q5_1))
-_q4_0_amx, _q4_1_amx, _q8_0_amx, _q6_k_amx, _q5_0_amx = (
-    _make_amx_tile(kind, 1) for kind in (Q4_0, Q4_1, Q8_0, Q6_K, Q5_0))
-_q4_0_amx_planes, _q4_1_amx_planes = (_make_amx_tile(kind, 2) for kind in (Q4_0, Q4_1))
+_AMX_UNPACK = _by_kind(_each(range(len(LAYOUT)), _make_amx_unpack))
+_amx_q4_1, _amx_q4_1_planes = _make_amx_tile(Q4_1, 1), _make_amx_tile(Q4_1, 2)
+_AMX = _by_kind({**_each((Q4_0, Q8_0, Q6_K, Q5_0), lambda kind: _make_amx_tile(kind, 1)),
+                 **dict.fromkeys(WITH_MIN, _amx_q4_1)})
+_AMX_PLANES = _by_kind({Q4_0: _make_amx_tile(Q4_0, 2), Q4_1: _amx_q4_1_planes, Q4_K: _amx_q4_1_planes})
 PANEL_GROUPS = 2  # row groups a panel holds (three measured no faster, and items hold pairs of groups)
-_q8_0_unpack, _q6_k_unpack, _q5_k_unpack, _q5_1_unpack = (_make_unpack(kind, PANEL_GROUPS)
-                                                           for kind in (Q8_0, Q6_K, Q5_K, Q5_1))
+_UNPACK = _by_kind(_each(BYTE_KINDS, lambda kind: _make_unpack(kind, PANEL_GROUPS)))
 # Panel tiles: 2 x 4 accumulators, two weight vectors and a broadcast fill 11 of the 16 vector registers.
 # (A register tile of 8 tokens in one group, one accumulator each, ran at half their rate: a broadcast per
 # FMA, and no slack over the FMA latency.)
@@ -912,115 +953,31 @@ WIDE_PREFILL, WIDE_DECODE = 1, 2
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _gemm_tile(kind, planes, w, g, g_last, scratch, t, t_last, out):
+def _gemm_tile(kinds, kind, planes, w, g, g_last, scratch, t, t_last, out):
     """The GEMM tile of this weight type for activations of one plane or two (Q4 types)."""
     if planes == 2:
-        if kind == Q4_1:
-            _q4_1_planes(w, g, g_last, scratch, t, t_last, out)
-        elif kind == Q4_K:
-            _q4_k_planes(w, g, g_last, scratch, t, t_last, out)
-        else:
-            _q4_0_planes(w, g, g_last, scratch, t, t_last, out)
-    elif kind == Q4_1:
-        _q4_1_gemm(w, g, g_last, scratch, t, t_last, out)
-    elif kind == Q4_K:
-        _q4_k_gemm(w, g, g_last, scratch, t, t_last, out)
-    elif kind == Q6_K:
-        _q6_k_gemm(w, g, g_last, scratch, t, t_last, out)
-    elif kind == Q5_K:
-        _q5_k_gemm(w, g, g_last, scratch, t, t_last, out)
-    elif kind == Q5_1:
-        _q5_1_gemm(w, g, g_last, scratch, t, t_last, out)
-    elif kind == Q4_0:
-        _q4_0_gemm(w, g, g_last, scratch, t, t_last, out)
-    elif kind == Q5_0:
-        _q5_0_gemm(w, g, g_last, scratch, t, t_last, out)
+        _GEMM_PLANES(kinds, kind, w, g, g_last, scratch, t, t_last, out)
     else:
-        _q8_0_gemm(w, g, g_last, scratch, t, t_last, out)
+        _GEMM(kinds, kind, w, g, g_last, scratch, t, t_last, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _gemv_tile(kind, planes, w, g, g_last, scratch, t, out):
+def _gemv_tile(kinds, kind, planes, w, g, g_last, scratch, t, out):
     """The one-token GEMM tile of this weight type for activations of one plane (Q4 types, Q5_0) or two (Q4
     types, Q8_0, Q6_K, Q5_K, Q5_1)."""
     if planes == 2:
-        if kind == Q4_1:
-            _q4_1_gemv_planes(w, g, g_last, scratch, t, t, out)
-        elif kind == Q4_K:
-            _q4_k_gemv_planes(w, g, g_last, scratch, t, t, out)
-        elif kind == Q8_0:
-            _q8_0_gemv_planes(w, g, g_last, scratch, t, t, out)
-        elif kind == Q6_K:
-            _q6_k_gemv_planes(w, g, g_last, scratch, t, t, out)
-        elif kind == Q5_K:
-            _q5_k_gemv_planes(w, g, g_last, scratch, t, t, out)
-        elif kind == Q5_1:
-            _q5_1_gemv_planes(w, g, g_last, scratch, t, t, out)
-        else:
-            _q4_0_gemv_planes(w, g, g_last, scratch, t, t, out)
-    elif kind == Q4_1:
-        _q4_1_gemv(w, g, g_last, scratch, t, t, out)
-    elif kind == Q4_K:
-        _q4_k_gemv(w, g, g_last, scratch, t, t, out)
-    elif kind == Q5_0:
-        _q5_0_gemv(w, g, g_last, scratch, t, t, out)
+        _GEMV_PLANES(kinds, kind, w, g, g_last, scratch, t, t, out)
     else:
-        _q4_0_gemv(w, g, g_last, scratch, t, t, out)
+        _GEMV(kinds, kind, w, g, g_last, scratch, t, t, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _amx_tile(kind, planes, panel, g, g_last, x_tiles, i, t0, out):
+def _amx_tile(kinds, kind, planes, panel, g, g_last, x_tiles, i, t0, out):
     """The AMX tile of this weight type for activations of one plane or two (Q4 types)."""
     if planes == 2:
-        if kind == Q4_0:
-            _q4_0_amx_planes(panel, g, g_last, x_tiles, i, t0, out)
-        else:
-            _q4_1_amx_planes(panel, g, g_last, x_tiles, i, t0, out)
-    elif kind == Q4_0:
-        _q4_0_amx(panel, g, g_last, x_tiles, i, t0, out)
-    elif kind == Q5_0:
-        _q5_0_amx(panel, g, g_last, x_tiles, i, t0, out)
-    elif kind == Q8_0:
-        _q8_0_amx(panel, g, g_last, x_tiles, i, t0, out)
-    elif kind == Q6_K:
-        _q6_k_amx(panel, g, g_last, x_tiles, i, t0, out)
+        _AMX_PLANES(kinds, kind, panel, g, g_last, x_tiles, i, t0, out)
     else:
-        _q4_1_amx(panel, g, g_last, x_tiles, i, t0, out)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _amx_unpack(kind, w, g, g_last, panel):
-    """Row groups g and g + 1 of this weight type as the AMX tiles read them."""
-    if kind == Q4_0:
-        _q4_0_amx_unpack(w, g, g_last, panel)
-    elif kind == Q4_1:
-        _q4_1_amx_unpack(w, g, g_last, panel)
-    elif kind == Q8_0:
-        _q8_0_amx_unpack(w, g, g_last, panel)
-    elif kind == Q4_K:
-        _q4_k_amx_unpack(w, g, g_last, panel)
-    elif kind == Q6_K:
-        _q6_k_amx_unpack(w, g, g_last, panel)
-    elif kind == Q5_K:
-        _q5_k_amx_unpack(w, g, g_last, panel)
-    elif kind == Q5_1:
-        _q5_1_amx_unpack(w, g, g_last, panel)
-    else:
-        _q5_0_amx_unpack(w, g, g_last, panel)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _unpack(kind, w, g, g_last, panel):
-    """The PANEL_GROUPS row groups from g of this weight type decoded to the panel (the int8 kinds never
-    take panels: ``_groups``)."""
-    if kind == Q6_K:
-        _q6_k_unpack(w, g, g_last, panel)
-    elif kind == Q5_K:
-        _q5_k_unpack(w, g, g_last, panel)
-    elif kind == Q5_1:
-        _q5_1_unpack(w, g, g_last, panel)
-    else:
-        _q8_0_unpack(w, g, g_last, panel)
+        _AMX(kinds, kind, panel, g, g_last, x_tiles, i, t0, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -1091,12 +1048,12 @@ def _compact_planes(kind, n_tokens, row_invariant, wide):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _int8_groups(kind, planes, w, x, out, g0, g1, rows, scratch):
+def _int8_groups(kinds, kind, planes, w, x, out, g0, g1, rows, scratch):
     """Row groups g0 .. g1 - 1 against every token of x in GEMM tiles, on x's int8 activations (``rows``)."""
     n_tokens = x.shape[0]
     for g in range(g0, g1, GEMM_GROUPS):
         for t in range(0, n_tokens, GEMM_TOKENS):
-            _gemm_tile(kind, planes, w, g, g1 - 1, rows, t, n_tokens - 1, out)
+            _gemm_tile(kinds, kind, planes, w, g, g1 - 1, rows, t, n_tokens - 1, out)
 
 
 @njit(cache=True, nogil=True)
@@ -1155,22 +1112,22 @@ def _amx_step(kind, n_tokens, row_invariant):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _amx_groups(kind, planes, w, x, out, g0, g1, rows, scratch):
+def _amx_groups(kinds, kind, planes, w, x, out, g0, g1, rows, scratch):
     """``_int8_groups`` in AMX tiles where x has a tile's 16 tokens: each pair of row groups unpacked once
-    (``_amx_unpack``), then met by every token tile of the activations ``quantize_activations`` laid out for
+    (``_AMX_UNPACK``), then met by every token tile of the activations ``quantize_activations`` laid out for
     them (``_amx_tiles``)."""
     n_tokens = x.shape[0]
     if n_tokens < AMX_TOKENS:
-        _int8_groups(kind, planes, w, x, out, g0, g1, rows, scratch)
+        _int8_groups(kinds, kind, planes, w, x, out, g0, g1, rows, scratch)
     else:
         x_tiles = _amx_tiles(scratch, x, planes)
         n_blocks = x.shape[1] // BLOCK
         panel = _from_a_line(np.empty(n_blocks * AMX_BLOCK + amx.ROW_BYTES, np.uint8), n_blocks, AMX_BLOCK)
         for g in range(g0, g1, AMX_GROUPS):
-            _amx_unpack(kind, w, g, g1 - 1, panel)
+            _AMX_UNPACK(kinds, kind, w, g, g1 - 1, panel)
             for i in range(x_tiles.shape[0]):
-                _amx_tile(kind, planes, panel, g, g1 - 1, x_tiles, i, min(i * AMX_TOKENS, n_tokens - AMX_TOKENS),
-                          out)
+                _amx_tile(kinds, kind, planes, panel, g, g1 - 1, x_tiles, i,
+                          min(i * AMX_TOKENS, n_tokens - AMX_TOKENS), out)
 
 
 # The GEMM tiles' driver: the AMX one only where the host has AMX (on others its IR could not be compiled)
@@ -1178,8 +1135,9 @@ _gemm_groups = _amx_groups if AMX else _int8_groups
 
 
 @njit(cache=True, nogil=True)
-def _groups(kind, w, x, out, g0, g1, scratch, row_invariant=False, wide=WIDE_PREFILL):
-    """Row groups g0 .. g1 - 1 against every token (see INT8_TOKENS):
+def _groups(kinds, kind, w, x, out, g0, g1, scratch, row_invariant=False, wide=WIDE_PREFILL):
+    """Row groups g0 .. g1 - 1 against every token (see INT8_TOKENS), in the tiles of the kinds whose bits
+    ``kinds`` sets (``_by_kind``):
     - GEMM tiles of GEMM_GROUPS groups x GEMM_TOKENS tokens (``_gemm_step``: the int8 kinds past
       ONE_TOKEN_PASSES tokens, the others past INT8_TOKENS), on the activations in scratch
       (``quantize_activations``), each pair of groups meeting every token tile while its weights are in
@@ -1195,27 +1153,21 @@ def _groups(kind, w, x, out, g0, g1, scratch, row_invariant=False, wide=WIDE_PRE
     result does not depend on the step's other rows. ``wide``: the steps taking two planes (``_planes``)."""
     n_tokens, planes = x.shape[0], _planes(kind, x.shape[0], row_invariant, wide)
     if _gemm_step(kind, n_tokens, row_invariant):
-        _gemm_groups(kind, planes, w, x, out, g0, g1, _scratch_rows(kind, scratch, x, row_invariant, wide), scratch)
+        _gemm_groups(kinds, kind, planes, w, x, out, g0, g1, _scratch_rows(kind, scratch, x, row_invariant, wide),
+                     scratch)
     elif _gemv_step(kind, n_tokens, row_invariant):
         rows = _scratch_rows(kind, scratch, x, row_invariant, wide)
         for g in range(g0, g1):
             for t in range(n_tokens):
-                _gemv_tile(kind, planes, w, g, g1 - 1, rows, t, out)
+                _gemv_tile(kinds, kind, planes, w, g, g1 - 1, rows, t, out)
     elif n_tokens < PANEL_TOKENS:
         for t in range(0, n_tokens, 4):
             for g in range(g0, g1):
-                if kind == Q6_K:
-                    _q6_k_4(w, g, g1 - 1, x, t, out)
-                elif kind == Q5_K:
-                    _q5_k_4(w, g, g1 - 1, x, t, out)
-                elif kind == Q5_1:
-                    _q5_1_4(w, g, g1 - 1, x, t, out)
-                else:
-                    _q8_0_4(w, g, g1 - 1, x, t, out)
+                _FOUR_TOKENS(kinds, kind, w, g, g1 - 1, x, t, out)
     else:
         panel = np.empty((x.shape[1], PANEL_GROUPS * GROUP), np.float32)
         for g in range(g0, g1, PANEL_GROUPS):
-            _unpack(kind, w, g, g1 - 1, panel)
+            _UNPACK(kinds, kind, w, g, g1 - 1, panel)
             for t in range(0, n_tokens, 4):
                 _panel_tile(panel, x, t, g, g1 - 1, out)
 
@@ -1278,15 +1230,15 @@ def linear_items(n_rows: int, x: np.ndarray) -> int:
 
 
 @njit(cache=True, nogil=True)
-def linear_pairs(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, p0: int, p1: int,
-                 scratch: np.ndarray, row_invariant: bool = False, wide: int = WIDE_PREFILL) -> tuple[int, int]:
+def _linear_pairs(kinds, kind, blocks, x, out, p0, p1, scratch, row_invariant, wide):
     """Pairs of row groups p0 .. p1 - 1 of out = x @ W.T (of ``linear_items_most`` pairs) and, in the range
-    that ends with the last pair, the rows % 8 kept as GGUF stored them (dequantized and dotted one by one).
-    Returns the rows written. ``scratch``: what ``quantize_activations`` wrote for x."""
+    that ends with the last pair, the rows % 8 kept as GGUF stored them (dequantized and dotted one by one),
+    in the tiles of the ``kinds`` mask. Returns the rows written. ``scratch``: what ``quantize_activations``
+    wrote for x."""
     n_rows = blocks.shape[0]
     full_groups = n_rows // GROUP
     g0, g1 = min(full_groups, 2 * p0), min(full_groups, 2 * p1)
-    _groups(kind, blocks, x, out, g0, g1, scratch, row_invariant, wide)
+    _groups(kinds, kind, blocks, x, out, g0, g1, scratch, row_invariant, wide)
     if p1 < linear_items_most(n_rows) or n_rows % GROUP == 0:
         return g0 * GROUP, g1 * GROUP
     planes = _compact_planes(kind, x.shape[0], row_invariant, wide)
@@ -1301,13 +1253,28 @@ def linear_pairs(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, 
     return g0 * GROUP, n_rows
 
 
+@functools.cache
+def linear_pairs_for(kinds: int) -> Dispatcher:
+    """``linear_pairs(kind, blocks, x, out, p0, p1, scratch, row_invariant, wide)``: pairs of row groups p0 ..
+    p1 - 1 of out = x @ W.T (``_linear_pairs``) for weights of the kinds whose bits ``kinds`` sets, compiled
+    with those kinds' tiles alone (``_by_kind``): programs call a model's through a pointer. Each mask's is a
+    function of its own name, which numba's disk cache keeps apart."""
+
+    def linear_pairs(kind, blocks, x, out, p0, p1, scratch, row_invariant, wide):
+        return _linear_pairs(kinds, kind, blocks, x, out, p0, p1, scratch, row_invariant, wide)
+
+    linear_pairs.__name__ = linear_pairs.__qualname__ = f"linear_pairs_{kinds}"
+    return njit(cache=True, nogil=True)(linear_pairs)
+
+
 @njit(cache=True, nogil=True)
 def linear_item(kind: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray, item: int, n_items: int,
                 scratch: np.ndarray, row_invariant: bool = False, wide: int = WIDE_PREFILL) -> tuple[int, int]:
-    """Work item ``item`` of ``n_items`` of out = x @ W.T (``linear_pairs`` of its share of the pairs)."""
+    """Work item ``item`` of ``n_items`` of out = x @ W.T (``_linear_pairs`` of its share of the pairs), in
+    every kind's tiles."""
     pairs = linear_items_most(blocks.shape[0])
-    return linear_pairs(kind, blocks, x, out, pairs * item // n_items, pairs * (item + 1) // n_items, scratch,
-                        row_invariant, wide)
+    return _linear_pairs(ALL_KINDS, kind, blocks, x, out, pairs * item // n_items, pairs * (item + 1) // n_items,
+                         scratch, row_invariant, wide)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -1469,7 +1436,7 @@ def embed_rows(kind: int, blocks: np.ndarray, tokens: np.ndarray, scale: float, 
     """out[t] = row tokens[t] of the table laid out by ``prepare``, dequantized as gguf does, * scale."""
     scale = np.float32(scale)
     for t in range(tokens.shape[0]):
-        _dequantize_row(kind, blocks, np.int64(tokens[t]), out[t])   # int64, as linear_pairs': compiled once
+        _dequantize_row(kind, blocks, np.int64(tokens[t]), out[t])   # int64, as _linear_pairs': compiled once
         for i in range(out.shape[1]):
             out[t, i] *= scale
 

@@ -57,6 +57,8 @@ class CompileContext:
     # device's ``kv_cache_types``: see ``on``)
     cache_type_k: str = "f32"
     cache_type_v: str = "f32"
+    # the GGUF types of the model's weights (set by Plan.build): a device may compile its kernels for these alone
+    weight_types: frozenset[str] = frozenset()
 
     def on(self, device: Device) -> CompileContext:
         """The context ``device`` compiles with: a cache type it lacks becomes f32, which every device stores

@@ -9,7 +9,7 @@ placed on a device that links kernels run as one stage: one call per step for th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -78,6 +78,8 @@ class Plan:
         """Place and compile every fused group of ``graph``; ``after_group`` runs after each (the engine
         lets the weight file's pages go there, so the file and the devices' copies never all coexist)."""
         placements = []
+        types = frozenset(q for w in graph.weights.values() if (q := getattr(w, "qtype", None)))
+        ctx = replace(ctx, weight_types=types)
         for group in fuse(graph):
             placements.append(_place(group, _preference(group, pool, graph.n_layers), graph, ctx, fallback_device,
                                      allow_fallback))
