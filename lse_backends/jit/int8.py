@@ -2,8 +2,10 @@
 bytes or nibbles by int8 activations with pmaddubsw (or vpdpbusd), each block of 32 activations x as
 xs * xq, xq = rint(x * 127 / max|x|) (half to even), xs = max|x| / 127. ``quantize_compact`` writes them,
 once per product and thread, to a float32 scratch row per token: xs per block, xs * sum(xq) per block,
-then the 32 int8 values of each block in order, a quarter of the float32 row's bytes; a tile broadcasts
-four of them at a time against its weight rows (a byte a value stays in L1 even for rows of thousands).
+then the 32 int8 values of each block in order, a quarter of the float32 row's bytes (a tile broadcasts
+four of them at a time against its weight rows: a byte a value stays in L1 even for rows of thousands),
+then sum(xq) of each half block as int32 (the tiles that multiply signed weights as unsigned bytes, q + o,
+take o sum(xq) off their products).
 
 With two planes (Q4 weights, where quant._planes says) a value carries 15 bits instead of 8:
 xq = PLANE_SCALE * hi + lo, hi the int8 value above and lo = rint(PLANE_SCALE * (x / xs - hi)) (|lo| <= 64)
@@ -37,19 +39,19 @@ def _horizontal(builder: ir.IRBuilder, value: ir.Value, combine) -> ir.Value:
 
 
 def _make_quantize_block(planes: int):
-    """An intrinsic ``quantize_block(x, values, b, at, plane_bytes)``: block b of the 1-D float32 row x as
-    int8 (see the module doc), its 32 values stored in order at byte ``at`` of ``values``, and with two planes
-    the second plane's ``plane_bytes`` bytes after the first's; returns (the scale, the scale * sum(xq)): xs, or with
-    two planes xs / PLANE_SCALE; NaN for a block with a NaN or an infinity. Its largest |x| is an integer
-    max of the bits (the order of non-negative floats, infinities and NaNs above all), so no NaN is lost on
-    the way."""
+    """An intrinsic ``quantize_block(x, values, b, at, plane_bytes)``: block b of the 1-D float32 row x as int8 (see
+    the module doc), its 32 values stored in order at byte ``at`` of ``values``, and with two planes the second
+    plane's ``plane_bytes`` bytes after the first's; returns (the scale, the scale * sum(xq), sum(xq) of each half
+    block): xs, or with two planes xs / PLANE_SCALE; NaN for a block with a NaN or an infinity. Its largest |x| is
+    an integer max of the bits (the order of non-negative floats, infinities and NaNs above all), so no NaN is lost
+    on the way."""
     return intrinsic(functools.partial(_quantize_block, planes))
 
 
 def _quantize_block(planes, typingctx, x, values_array, b, at, plane_bytes):
     if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in (x, values_array)):
         raise TypingError("blocks are quantized from and to C-contiguous 1-D arrays")
-    sig = types.UniTuple(types.float32, 2)(x, values_array, b, at, plane_bytes)
+    sig = types.Tuple((types.float32, types.float32, types.int32, types.int32))(x, values_array, b, at, plane_bytes)
 
     def codegen(context, builder, signature, args):
         x_a, values_a = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1))
@@ -80,8 +82,8 @@ def _quantize_block(planes, typingctx, x, values_array, b, at, plane_bytes):
             stored.append([builder.fptosi(builder.call(rint, [builder.fmul(builder.fsub(v, q), vector(PLANE_SCALE))]),
                                           v8i32) for v, q in zip(scaled, rounded)])
             combined = [builder.add(builder.mul(q, vector(PLANE_SCALE, v8i32)), r) for q, r in zip(*stored)]
-        total = _horizontal(builder, builder.add(builder.add(combined[0], combined[1]),
-                                                 builder.add(combined[2], combined[3])), builder.add)
+        half_sums = [_horizontal(builder, builder.add(combined[i], combined[i + 1]), builder.add) for i in (0, 2)]
+        total = builder.add(*half_sums)
         block_at, plane_bytes = (context.cast(builder, args[i], signature.args[i], types.intp) for i in (3, 4))
         for plane, plane_quants in enumerate(stored):
             narrow = [builder.trunc(q, v8i8) for q in plane_quants]
@@ -94,7 +96,7 @@ def _quantize_block(planes, typingctx, x, values_array, b, at, plane_bytes):
         unit = 127.0 * (PLANE_SCALE if planes == 2 else 1)
         scale = builder.select(finite, builder.fdiv(top, ir.Constant(f32, unit)), ir.Constant(f32, float("nan")))
         return context.make_tuple(builder, signature.return_type,
-                                  [scale, builder.fmul(scale, builder.sitofp(total, f32))])
+                                  [scale, builder.fmul(scale, builder.sitofp(total, f32)), *half_sums])
 
     return sig, codegen
 
@@ -105,7 +107,7 @@ _quantize_in_order, _quantize_planes = (_make_quantize_block(planes) for planes 
 @njit(cache=True, nogil=True)
 def compact_width(n: int, planes: int = 1) -> int:
     """float32s per token row of the scratch that ``quantize_compact`` fills, for activations of width n."""
-    return 2 * (n // BLOCK) + planes * n // 4
+    return 2 * (n // BLOCK) + planes * n // 4 + 2 * (n // BLOCK)
 
 
 @njit(cache=True, nogil=True)
@@ -127,19 +129,22 @@ def dequantize(x, scratch, planes=1):
 def quantize_compact(x: np.ndarray, scratch: np.ndarray, planes: int = 1) -> None:
     """x's rows (float32, C-contiguous, width a multiple of 32) as int8 in scratch's rows ([rows,
     compact_width(width, planes)]): per row, the scale per block, scale * sum(xq) per block, then the int8
-    values in order, and with two planes the second plane's after them (module doc). A block with a NaN or
-    an infinity gets a NaN scale, so the products it meets are NaN."""
+    values in order, with two planes the second plane's after them, then each half block's sum(xq) as int32
+    (module doc). A block with a NaN or an infinity gets a NaN scale, so the products it meets are NaN."""
     n_blocks = x.shape[1] // BLOCK
     for t in range(x.shape[0]):
         values = scratch[t, 2 * n_blocks:].view(np.int8)
+        half_sums = scratch[t, 2 * n_blocks + planes * x.shape[1] // 4:].view(np.int32)
         for b in range(n_blocks):
-            scratch[t, b], scratch[t, n_blocks + b] = quantize_block(x[t], values, b, b * BLOCK, x.shape[1], planes)
+            scratch[t, b], scratch[t, n_blocks + b], half_sums[2 * b], half_sums[2 * b + 1] = quantize_block(
+                x[t], values, b, b * BLOCK, x.shape[1], planes)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def quantize_block(x, values, b, at, plane_bytes, planes):
     """Block b of row x as int8 in ``planes`` planes, stored at byte ``at`` of values (a second plane
-    ``plane_bytes`` after it): (the scale, the scale * sum(xq)), as ``quantize_compact`` writes them."""
+    ``plane_bytes`` after it): (the scale, the scale * sum(xq), each half's sum(xq)), as ``quantize_compact``
+    writes them."""
     if planes == 2:
         return _quantize_planes(x, values, b, at, plane_bytes)
     return _quantize_in_order(x, values, b, at, plane_bytes)

@@ -257,10 +257,11 @@ def _high_bit_at(high_bits, half, j):
     return high_bits * (2 * (j // 4) + half)
 
 
-def _bytes(builder: ir.IRBuilder, kind: int, block: ir.Value, p: int) -> ir.Value:
+def _bytes(builder: ir.IRBuilder, kind: int, block: ir.Value, p: int, centred: bool = True) -> ir.Value:
     """<32 x i8>: quant load p of a byte kind's (Q8_0, Q6_K, Q5_K, Q5_1) group block at ``block``, elements
     4 p .. 4 p + 3 of a row in each 32-bit lane, as the tiles multiply them: Q8_0's bytes as stored; Q6_K's
-    q - 32 and Q5_K's q, rebuilt from the nibbles and HIGH_BITS of each element (see ``_packed_values``)."""
+    q - 32 (``centred``, else q) and Q5_K's q, rebuilt from the nibbles and HIGH_BITS of each element (see
+    ``_packed_values``)."""
     quants = GROUP * LAYOUT[kind][1]
     high_bits = HIGH_BITS[kind]
     if not high_bits:
@@ -272,7 +273,7 @@ def _bytes(builder: ir.IRBuilder, kind: int, block: ir.Value, p: int) -> ir.Valu
     high = load(builder, block, quants + 32 * (4 + at // 8), v32i8)
     mask = vector(((1 << high_bits) - 1) << 4, v32i8)
     value = builder.or_(value, builder.and_(_shift_bytes(builder, high, 4 - at % 8), mask))
-    return builder.sub(value, vector(32, v32i8)) if kind == Q6_K else value
+    return builder.sub(value, vector(32, v32i8)) if kind == Q6_K and centred else value
 
 
 def _quants(builder: ir.IRBuilder, kind: int, block: ir.Value) -> Iterator[tuple[int, ir.Value]]:
@@ -401,8 +402,13 @@ def _pair_products(builder: ir.IRBuilder, quants: ir.Value, x: ir.Value) -> ir.V
 
 
 OFFSET = {Q4_0: -8.0, Q5_0: -16.0}
-# The largest |value| a tile multiplies, of each kind's bytes as laid out (Q6_K's q - 32, Q8_0's any int8)
-LARGEST = {Q4_0: 15, Q4_1: 15, Q4_K: 15, Q5_0: 31, Q5_K: 31, Q5_1: 31, Q6_K: 32, Q8_0: 128}
+# Signed weights the int8 tiles multiply as the unsigned bytes w + o, their products then less o sum(xq) (the
+# half sums int8.quantize_compact writes): Q6_K's q (o = 32), and Q8_0's q + 128 where vpdpbusd sums the
+# products in int32 (pairs of 255 * 127 overflow pmaddubsw's 16-bit lanes and the portable path's). The others
+# multiply as |w| times x with w's sign (two more instructions a load, one of them per token).
+UNSIGNED_OFFSET = {Q6_K: 32} | ({Q8_0: 128} if VNNI else {})
+# The largest |value| a tile multiplies, of each kind's bytes as multiplied (Q6_K's q, Q8_0's any int8)
+LARGEST = {Q4_0: 15, Q4_1: 15, Q4_K: 15, Q5_0: 31, Q5_K: 31, Q5_1: 31, Q6_K: 63, Q8_0: 128}
 
 
 def _dot4(builder: ir.IRBuilder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
@@ -466,7 +472,8 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
     (OFFSET: Q4_0, Q5_0), x @ W.T for x = xs * xq. Signed weights (Q8_0, Q6_K) multiply as |w| times x with w's
     sign."""
     group_block = GROUP * LAYOUT[kind][0]
-    nibbles, signed = kind in NIBBLES, kind in (Q8_0, Q6_K)
+    offset = UNSIGNED_OFFSET.get(kind, 0)
+    nibbles, signed = kind in NIBBLES, kind in (Q8_0, Q6_K) and not offset
     loads = BLOCK // 2 // 4 if nibbles else BLOCK // 4   # 32-byte loads of a group block's quants
     # Without VNNI, each (group, token)'s pmaddubsw results add up in 16-bit lanes, pair_sums of them
     # exactly (|pair| <= 2 * 127 * LARGEST[kind]), before one pmaddwd widens them: a multiply per four
@@ -493,6 +500,8 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
             sums = [builder.gep(row, [n_blocks]) for row in scales]
             values = [builder.bitcast(builder.gep(row, [n_blocks]), i8.as_pointer()) for row in sums]
             plane_bytes = builder.mul(n_blocks, integer(BLOCK))
+            half_sums = [builder.bitcast(builder.gep(v, [builder.mul(plane_bytes, integer(planes))]),
+                                         i32.as_pointer()) for v in values]
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(v8f32, None)) for _ in tokens] for _ in weights]
             with cgutils.for_range(builder, n_blocks) as loop:
                 b = loop.index
@@ -522,6 +531,10 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
                             if nibbles:
                                 low, high = _nibbles(builder, kind, block, p, fifth)
                                 operands.append([(low, None, 4 * p), (high, None, BLOCK // 2 + 4 * p)])
+                            elif offset:   # w + o
+                                raw = _bytes(builder, kind, block, p, centred=False)
+                                unsigned = builder.xor(raw, vector(-128, v32i8)) if kind == Q8_0 else raw
+                                operands.append([(unsigned, None, 4 * p)])
                             else:
                                 raw = _bytes(builder, kind, block, p)
                                 operands.append([(_magnitude(builder, raw) if signed else raw,
@@ -553,6 +566,15 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
                                 for rows in zip(*dots)]
                     else:
                         dots = dots[0]
+                    if offset:   # less o sum(xq) over the span (Q6_K: the half block's; Q8_0: the block's)
+                        for c, row_sums in enumerate(half_sums):
+                            halves = [builder.load(builder.gep(row_sums, [builder.add(builder.mul(b, integer(2)),
+                                                                                     integer(h))]))
+                                      for h in ((span,) if spans == 2 else (0, 1))]
+                            total = _splat_i32(builder, builder.mul(ir.Constant(i32, offset), builder.add(*halves)
+                                                                    if len(halves) == 2 else halves[0]))
+                            for row_dots in dots:
+                                row_dots[c] = builder.sub(row_dots[c], total)
                     for k, (block, fields_k) in enumerate(zip(blocks, fields)):
                         d = _scales(builder, block, fields_k, kind, span)
                         m = _scales(builder, block, fields_k, kind, 1) if kind in WITH_MIN else None
@@ -1080,7 +1102,7 @@ def _amx_quantize(x, tiles, planes):
         for c in range(AMX_TOKENS):
             for b in range(n_blocks):
                 head = (b * x_block + planes * plane_bytes) // 4 + c
-                heads[head], heads[head + AMX_TOKENS] = int8.quantize_block(
+                heads[head], heads[head + AMX_TOKENS], _, _ = int8.quantize_block(
                     x[t0 + c], tile, b, b * x_block + c * BLOCK, plane_bytes, planes)
 
 
