@@ -20,7 +20,7 @@ CLIENTS = 16
 LEAVERS = 4           # clients that disconnect after LEAVE_AFTER chunks
 LEAVE_AFTER = 3
 MAX_TOKENS = 40
-KV_LEN = 256
+KV_LEN = 2048          # a leaver's reply runs to the context's end: long enough that its hang-up comes first
 
 
 @pytest.fixture(scope="module")
