@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 from llvmlite import ir
+from numba import types
 
 import lse_backends.jit.quant as quant
 from lse_backends.jit import amx, vector
@@ -180,6 +181,14 @@ def test_a_plans_linear_pairs_holds_its_kinds_tiles_alone_with_every_kinds_bits(
                 np.testing.assert_array_equal(out, expected)
             else:
                 assert np.isnan(out[:, :rows // quant.GROUP * quant.GROUP]).all()
+
+
+def test_a_model_without_quantized_weights_compiles_no_tiles():
+    """Its programs never call linear_pairs: the function they hold compiles none of _linear_pairs' code."""
+    from lse_backends.jit import program
+
+    quant.linear_pairs_for(0).compile(program._LINEAR_PAIRS.signature)
+    assert not [s for s in quant._linear_pairs.signatures if s[0] == types.literal(0)]
 
 
 def test_linear_reads_activation_rows_through_their_stride():

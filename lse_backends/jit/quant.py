@@ -1275,12 +1275,20 @@ def _linear_pairs(kinds, kind, blocks, x, out, p0, p1, scratch, row_invariant, w
     return g0 * GROUP, n_rows
 
 
+@njit(cache=True, nogil=True)
+def _without_quantized_weights(kind, blocks, x, out, p0, p1, scratch, row_invariant, wide):
+    """linear_pairs of a model without quantized weights, which no program calls (7 s of a cold compile saved)."""
+    return 0, 0
+
+
 @functools.cache
 def linear_pairs_for(kinds: int) -> Dispatcher:
     """``linear_pairs(kind, blocks, x, out, p0, p1, scratch, row_invariant, wide)``: pairs of row groups p0 ..
     p1 - 1 of out = x @ W.T (``_linear_pairs``) for weights of the kinds whose bits ``kinds`` sets, compiled
     with those kinds' tiles alone (``_by_kind``): programs call a model's through a pointer. Each mask's is a
     function of its own name, which numba's disk cache keeps apart."""
+    if not kinds:
+        return _without_quantized_weights
 
     def linear_pairs(kind, blocks, x, out, p0, p1, scratch, row_invariant, wide):
         return _linear_pairs(kinds, kind, blocks, x, out, p0, p1, scratch, row_invariant, wide)
