@@ -107,7 +107,7 @@ _quantize_in_order, _quantize_planes = (_make_quantize_block(planes) for planes 
 @njit(cache=True, nogil=True)
 def compact_width(n: int, planes: int = 1) -> int:
     """float32s per token row of the scratch that ``quantize_compact`` fills, for activations of width n."""
-    return 2 * (n // BLOCK) + planes * n // 4 + 2 * (n // BLOCK)
+    return 4 * (n // BLOCK) + planes * n // 4   # per block xs, xs sum(xq) and two half sums; the values
 
 
 @njit(cache=True, nogil=True)

@@ -469,8 +469,8 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
     exact in int32 lanes (``_dot4``, four bytes of a row a lane: each weight vector, gathered once, meets every
     token's four activation bytes broadcast; with two planes, each plane's, the first's shifted by PLANE_SCALE's
     bits and added), then acc += d xs dot, plus the offset term m xs sum(xq) (Q4_1, Q4_K, Q5_K) or o d xs sum(xq)
-    (OFFSET: Q4_0, Q5_0), x @ W.T for x = xs * xq. Signed weights (Q8_0, Q6_K) multiply as |w| times x with w's
-    sign."""
+    (OFFSET: Q4_0, Q5_0), x @ W.T for x = xs * xq. Signed weights (Q6_K; Q8_0 on VNNI) multiply as unsigned bytes
+    w + o, less o sum(xq) (UNSIGNED_OFFSET); Q8_0 elsewhere as |w| times x with w's sign."""
     group_block = GROUP * LAYOUT[kind][0]
     offset = UNSIGNED_OFFSET.get(kind, 0)
     nibbles, signed = kind in NIBBLES, kind in (Q8_0, Q6_K) and not offset
@@ -571,8 +571,8 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
                             halves = [builder.load(builder.gep(row_sums, [builder.add(builder.mul(b, integer(2)),
                                                                                      integer(h))]))
                                       for h in ((span,) if spans == 2 else (0, 1))]
-                            total = _splat_i32(builder, builder.mul(ir.Constant(i32, offset), builder.add(*halves)
-                                                                    if len(halves) == 2 else halves[0]))
+                            total = _splat_i32(builder, builder.mul(ir.Constant(i32, offset),
+                                                                    functools.reduce(builder.add, halves)))
                             for row_dots in dots:
                                 row_dots[c] = builder.sub(row_dots[c], total)
                     for k, (block, fields_k) in enumerate(zip(blocks, fields)):
