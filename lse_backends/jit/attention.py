@@ -204,7 +204,7 @@ _values_one_f32, _values_one_f16, _values_one_q8_0 = (_make_weighted_values(1, k
                                                      for kind in (KV_F32, KV_F16, KV_Q8_0))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _half_bits(bits):
     """The f16 bit pattern nearest (ties to even) the float32 with bit pattern ``bits``, as numpy rounds."""
     sign = (bits >> 16) & 0x8000
@@ -246,7 +246,9 @@ def _store_halves(typingctx, x, row, d):
 def _store_row(x, row, kind):
     """Store float32 values x as one cached row of ``kind`` (bytes)."""
     if kind == KV_F32:
-        row.view(np.float32)[:] = x
+        floats = row.view(np.float32)
+        for d in range(x.shape[0]):   # element by element: a slice assignment compiles numba's broadcasting (1 s)
+            floats[d] = x[d]
     elif kind == KV_F16:
         halves, bits = row.view(np.uint16), x.view(np.uint32)
         vectors = x.shape[0] // LANES * LANES if VECTOR_HALVES else 0
@@ -266,12 +268,13 @@ def _store_row(x, row, kind):
             at = b * Q8_0_BYTES
             for d in range(Q8_0_VALUES):
                 row[at + 2 + d] = np.uint8(np.int64(np.rint(block[d] * inverse)) & 0xFF)
-        for b, bits in enumerate(scales.view(np.uint32)):
-            half = _half_bits(bits)
+        scale_bits = scales.view(np.uint32)
+        for b in range(scales.shape[0]):
+            half = _half_bits(scale_bits[b])
             row[b * Q8_0_BYTES], row[b * Q8_0_BYTES + 1] = half & 0xFF, half >> 8
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _cached(row, d, kind):
     """Value d of a cached row of ``kind``, as float32 (for the dims past a multiple of 8)."""
     if kind == KV_F32:

@@ -1002,13 +1002,13 @@ def _amx_tile(kinds, kind, planes, panel, g, g_last, x_tiles, i, t0, out):
         _AMX(kinds, kind, panel, g, g_last, x_tiles, i, t0, out)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _q4_kind(kind):
     """Q4_0, Q4_1, Q4_K: weights that take two activation planes in the steps a product's ``wide`` names."""
     return kind == Q4_0 or kind == Q4_1 or kind == Q4_K
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _int8_kind(kind):
     """Q4 and Q5_0 weights meet int8 activations at every step; Q8_0, Q6_K and Q5_K (the byte kinds) in
     steps of up to ONE_TOKEN_PASSES tokens (two planes) and past INT8_TOKENS (one), and float32 ones between
@@ -1016,7 +1016,7 @@ def _int8_kind(kind):
     return _q4_kind(kind) or kind == Q5_0
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _gemm_step(kind, n_tokens, row_invariant):
     """Whether x of n_tokens rows meets this weight in the GEMM tiles (int8 activations): the int8 kinds past
     ONE_TOKEN_PASSES tokens (a tile's row has the bits of the one-token tile's in as many planes: the same
@@ -1027,7 +1027,7 @@ def _gemm_step(kind, n_tokens, row_invariant):
     return n_tokens > INT8_TOKENS and not row_invariant
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _planes(kind, n_tokens, row_invariant, wide):
     """Activation planes of this weight's int8 tiles: two (15 bits a value, ``int8``) where Q4 weights meet a
     product whose ``wide`` has this step's bit, WIDE_PREFILL past INT8_TOKENS tokens and WIDE_DECODE up to it
@@ -1051,7 +1051,7 @@ def _planes(kind, n_tokens, row_invariant, wide):
     return 2 if _q4_kind(kind) and wide & step else 1
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _gemv_step(kind, n_tokens, row_invariant):
     """Whether x of n_tokens rows meets this weight in the one-token GEMM tiles: steps of up to
     ONE_TOKEN_PASSES tokens (a row's bits are the other GEMM tiles' in as many planes: the same integer dot
@@ -1060,7 +1060,7 @@ def _gemv_step(kind, n_tokens, row_invariant):
     return n_tokens <= ONE_TOKEN_PASSES or (row_invariant and not _int8_kind(kind))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _compact_planes(kind, n_tokens, row_invariant, wide):
     """The planes of the int8 activations that x of n_tokens rows takes for this weight
     (``int8.quantize_compact``), or 0 where it takes float32 ones."""
@@ -1349,7 +1349,7 @@ def _dot_rows(x, weights, out):
         out[t] = total
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _ieee(bits, mantissa_bits, exponent_bits):
     """float32 of the IEEE 754 number with these bits (f16: 10 and 5, float32: 23 and 8), exactly."""
     top, bias = (1 << exponent_bits) - 1, (1 << (exponent_bits - 1)) - 1
@@ -1363,7 +1363,7 @@ def _ieee(bits, mantissa_bits, exponent_bits):
     return -value if bits >> (mantissa_bits + exponent_bits) & 1 else value
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _bits(flat, at, size):
     """The ``size`` bytes at byte ``at`` as a little-endian integer."""
     bits = np.int64(0)
@@ -1372,14 +1372,14 @@ def _bits(flat, at, size):
     return bits
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _field(flat, at, size):
     """A header field (d or m) of ``size`` bytes at byte ``at``, little-endian: float32 or f16."""
     bits = _bits(flat, at, size)
     return _ieee(bits, 23, 8) if size == 4 else _ieee(bits, 10, 5)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _header_value(flat, at, fields_at, size, lane, kind, index):
     """Header value ``index`` of row ``lane`` of a group block of ``size`` rows at byte ``at``, its f16 fields at
     ``fields_at`` (a kernel's ``_scales``): an f16 field, or for the converted kinds an f16 field times an int8
@@ -1392,14 +1392,14 @@ def _header_value(flat, at, fields_at, size, lane, kind, index):
     return _field(flat, fields_at + FIELD * (size * index + lane), FIELD) * np.float32(multiplier)   # one _field
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _quant_at(j, size):
     """Where quant byte j of a row is in a group block of ``size`` rows, from the row's first (four bytes of
     a row together)."""
     return j // 4 * 4 * size + j % 4
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _packed_value(flat, quants, size, i, high_bits):
     """Element i of a block of Q6_K's, Q5_K's or Q5_1's (``_packed_values``) whose row's quant bytes start
     at ``quants``."""
