@@ -65,6 +65,7 @@ _LINEAR_PAIRS = types.FunctionType(types.UniTuple(_INT, 2)(
 _STORE_KV = types.FunctionType(types.void(_ACT, _ACT, _CACHE, _CACHE, _INT, _INT, _STEP, _INDICES, _INT, _INT))
 _ATTENTION = types.FunctionType(types.void(
     _ACT, _CACHE, _CACHE, _INT, _INT, _STEP, _INDICES, _INT, types.float32, _INT, _ACT, _INT, _INT))
+_EMBED_ROWS_SIGNATURE = (_INT, _QMAT, _STEP, types.float32, _ACT)   # quant.embed_rows, as _run calls it
 _LISTS = [types.ListType(_LIST_TYPES[kind]) for kind in ("acts", "flats", "mats", "qmats", "vecs", "caches", "fns")]
 _RUN = types.FunctionType(types.void(
     types.int64[::1], *[_INT] * 4, types.float32, *_LISTS, _STEP, _STEP, _INDICES, _STEP, types.float32[::1],
@@ -315,7 +316,7 @@ _KERNELS = {"work": (_work, types.FunctionType(_WORK_SIGNATURE)), "run": (_run, 
 # earlier). linear_pairs has since grown (9.1 s on Zen 3 after the two-plane tiles, 8.7 s on the AMX Xeon)
 # and execute moved here: on the Xeon the second share took 17.0-17.6 s with it, this one waiting.
 SECOND_PROCESS = ("linear_pairs", "attention")
-SECOND_SHARE = ", ".join(SECOND_PROCESS) + " and sampling"   # as the log lines name it
+SECOND_SHARE = ", ".join(("embed_rows", *SECOND_PROCESS)) + " and sampling"   # as the log lines name it
 
 
 @njit(cache=True)
@@ -356,7 +357,10 @@ def compile_kernels(names: Sequence[str], kinds: int) -> None:
 def compile_second_share(kinds: int) -> None:
     """What the second process compiles: SECOND_PROCESS's kernels (linear_pairs for weights of the ``kinds``
     mask), then code whose types are known without a model (the typed lists' builders, and sampling.sample,
-    which a step's first token would compile after the program), all of it loaded from the cache here later."""
+    which a step's first token would compile after the program), all of it loaded from the cache here later.
+    quant.embed_rows comes first: both shares would compile its _dequantize_row (1.5 s), and this one's is on disk
+    by the time _run, after _work, reaches it there."""
+    quant.embed_rows.compile(_EMBED_ROWS_SIGNATURE)
     compile_kernels(SECOND_PROCESS, kinds)
     for element in _LIST_TYPES.values():
         if isinstance(element, types.Array):
