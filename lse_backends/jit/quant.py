@@ -480,6 +480,7 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
     # bytes instead of two.
     pair_sums = 32767 // (2 * 127 * LARGEST[kind])
     spans = 2 if kind == Q6_K else 1   # Q6_K: a d for each half block (loads 0-3, 4-7)
+    two_chains = VNNI and n_groups * n_tokens == 1
 
     def tile(typingctx, w, g, g_last, scratch, t, t_last, out):
         if not all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (w, scratch, out)):
@@ -523,8 +524,12 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
                 for span in range(spans):
                     # per plane: int32 dot products, and pmaddubsw's sums not yet widened
                     dots = [[[ir.Constant(v8i32, None)] * n_tokens for _ in weights] for _ in range(planes)]
+                    # One-token tiles on VNNI: every other part's products in a second chain, added at the span's
+                    # end. One chain is a vpdpbusd after another, each waiting for the last (5 cycles): with a
+                    # group and a token a tile, that latency, not the memory stream, bounded decode.
+                    odd_dots = [[[ir.Constant(v8i32, None)] * n_tokens for _ in weights] for _ in range(planes)]
                     pairs = [[[None] * n_tokens for _ in weights] for _ in range(planes)]
-                    held = 0
+                    held = parts = 0
                     for p in range(span * loads // spans, (span + 1) * loads // spans):
                         operands = []   # per weight group: (unsigned bytes, signed bytes' sign or None, element)
                         for block, fifth in zip(blocks, fifths):
@@ -540,9 +545,10 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
                                 operands.append([(_magnitude(builder, raw) if signed else raw,
                                                   raw if signed else None, 4 * p)])
                         for part in range(len(operands[0])):
+                            chain = odd_dots if two_chains and parts % 2 else dots
                             for c, plane in itertools.product(range(n_tokens), range(planes)):
                                 x = x_bytes(c, operands[0][part][2], plane)
-                                plane_dots, plane_pairs = dots[plane], pairs[plane]
+                                plane_dots, plane_pairs = chain[plane], pairs[plane]
                                 for k, group_operands in enumerate(operands):
                                     unsigned, sign, _ = group_operands[part]
                                     signed_x = x if sign is None else _sign_of(builder, x, sign)
@@ -553,13 +559,16 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
                                         held_k = plane_pairs[k][c]
                                         plane_pairs[k][c] = (products if held_k is None
                                                              else builder.add(held_k, products))
-                            held += 1
+                            held, parts = held + 1, parts + 1
                             if held == pair_sums:
                                 for plane in range(planes):
                                     _widen_held(builder, dots[plane], pairs[plane])
                                 held = 0
                     for plane in range(planes):
                         _widen_held(builder, dots[plane], pairs[plane])
+                    if two_chains:
+                        dots = [[[builder.add(a, b) for a, b in zip(*rows)] for rows in zip(*plane_dots)]
+                                for plane_dots in zip(dots, odd_dots)]
                     if planes == 2:
                         shift = vector(PLANE_SCALE.bit_length() - 1, v8i32)
                         dots = [[builder.add(builder.shl(first, shift), second) for first, second in zip(*rows)]
