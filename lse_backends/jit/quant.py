@@ -93,6 +93,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 from gguf import quants as gguf_quants
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -161,8 +162,11 @@ SUPER = 8   # blocks of a K super-block (256 values)
 GROUP = LANES  # rows per group: one vector lane each
 NIBBLES = (Q4_0, Q4_1, Q4_K, Q5_0)   # kinds whose quant bytes hold two 4-bit values (Q5_0's fifth bits apart)
 # Decoding outruns one core's stream of weights from memory; prefetching this far ahead in each row group's
-# stream made one thread's 210 layer GEMVs of SmolLM2 1.5x faster here (5.7 to 46 KB measured alike).
-PREFETCH_BYTES = 8192
+# stream made one thread's 210 layer GEMVs of SmolLM2 1.5x faster on Zen 3 (5.7 to 46 KB measured alike).
+# On the Xeon a prefetch into L1 holds one of the core's few fill buffers until the line arrives: 8 KB ahead
+# kept too many lines in flight there. 800 MB of 8192 x 2048 weights, one token, 2 threads, GB/s at 1.5 / 2 /
+# 2.5 / 3 / 4 / 8 KB: Q4_K 23.9 / 24.3 / 22.4 / 23.3 / 21.0 / 20.3 (none: 17.8); Q8_0 26.2 at 2 KB, 22.9 at 8.
+PREFETCH_BYTES = 8192 if llvm.get_host_cpu_name().startswith("znver") else 2048
 # f16 fields that a block's header values are made of (the shared ones, or those in its header)
 FIELDS = tuple(SHARED[k] or (LAYOUT[k][1] - MULTIPLIERS[k]) // FIELD for k in range(len(LAYOUT)))
 RUN_BYTES = tuple(FIELD * SHARED[k] + SUPER * LAYOUT[k][0] for k in range(len(LAYOUT)))   # a row's, per SUPER blocks
