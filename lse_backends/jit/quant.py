@@ -531,8 +531,8 @@ def _make_gemm_tile(kind: int, n_groups: int, n_tokens: int, planes: int = 1):
                     # per plane: int32 dot products, and pmaddubsw's sums not yet widened
                     dots = [[[ir.Constant(v8i32, None)] * n_tokens for _ in weights] for _ in range(planes)]
                     # One-token tiles on VNNI: every other part's products in a second chain, added at the span's
-                    # end. One chain is a vpdpbusd after another, each waiting for the last (5 cycles): with a
-                    # group and a token a tile, that latency, not the memory stream, bounded decode.
+                    # end. In one chain each vpdpbusd waits for the last (5 cycles), with nothing else of the tile
+                    # to run meanwhile (Llama-3.2-1B's Q6_K output layer, decode: 9.55 -> 8.4-8.75 ms).
                     odd_dots = [[[ir.Constant(v8i32, None)] * n_tokens for _ in weights] for _ in range(planes)]
                     pairs = [[[None] * n_tokens for _ in weights] for _ in range(planes)]
                     held = parts = 0
