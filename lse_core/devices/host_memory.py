@@ -75,13 +75,14 @@ def release_file_pages(array: np.ndarray) -> None:
     A device laying a large weight out calls this as it goes, so that the file's pages and the layout are not
     resident together at the peak (Gemma 3 270M's 262k x 640 embedding). Anything else is left alone: a
     writable mapping's pages may hold data nowhere else."""
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return
     base = array
     while isinstance(base, np.ndarray):
         base = base.base
     if isinstance(base, memoryview):   # np.frombuffer's base
         base = base.obj
-    if not isinstance(base, mmap.mmap) or base.closed or not memoryview(base).readonly or not hasattr(
-            mmap, "MADV_DONTNEED"):
+    if not isinstance(base, mmap.mmap) or base.closed or not memoryview(base).readonly:
         return
     start = array.ctypes.data - np.frombuffer(base, np.uint8).ctypes.data
     first, end = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, (start + array.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
