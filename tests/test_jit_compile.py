@@ -64,10 +64,15 @@ print(json.dumps({"compiled": [c.name for c in cache.COMPILED]}))
 
 
 def compile_the_kernels(tmp_path: Path, **env: str) -> tuple[list[str], list[str]]:
+    """COMPILE_THE_KERNELS as `lse` runs from a checkout with the package installed: the working directory
+    holds another copy of the package (here a broken one), which neither process may import."""
+    checkout = tmp_path / "checkout"
+    (checkout / "lse_backends").mkdir(parents=True, exist_ok=True)
+    (checkout / "lse_backends" / "__init__.py").write_text("raise ImportError('the working directory's copy')\n")
     environ = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), NUMBA_CACHE_DIR=str(tmp_path / "numba"),
                    LSE_JIT_CACHE=str(tmp_path / "generated"), **env)
-    result = subprocess.run([sys.executable, "-c", COMPILE_THE_KERNELS], env=environ, capture_output=True, text=True,
-                            check=True, timeout=600)
+    result = subprocess.run([sys.executable, "-P", "-c", COMPILE_THE_KERNELS], env=environ, capture_output=True,
+                            text=True, check=True, timeout=600, cwd=checkout)
     return json.loads(result.stdout)["compiled"], [line for line in result.stderr.splitlines() if "jit:0" in line]
 
 

@@ -206,9 +206,11 @@ class CompileBeside:
         log.warning("lse: jit:0 compiling %s in a second process meanwhile", what)
         self.what, self.began = what, time.perf_counter()
         self.errors = tempfile.TemporaryFile()
-        # this checkout's package first (an empty entry would put the working directory on the path)
+        # this process's copy of the package first (an empty entry would put the working directory on the path),
+        # and -P: ``-c`` would put the working directory before it, and run a checkout there instead of the
+        # installed package, whose cache entries this process would never find (it then compiled all of them)
         path = os.pathsep.join(p for p in (str(PACKAGE.parent.parent), os.environ.get("PYTHONPATH")) if p)
-        self.child = subprocess.Popen([sys.executable, "-c", call], stdin=subprocess.DEVNULL,
+        self.child = subprocess.Popen([sys.executable, "-P", "-c", call], stdin=subprocess.DEVNULL,
                                       stdout=subprocess.DEVNULL, stderr=self.errors,
                                       env=os.environ | {"PYTHONPATH": path})
 
