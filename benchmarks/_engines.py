@@ -269,6 +269,9 @@ def run(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         if n == 1:
             result["single_stream"] = {k: v for k, v in asdict(streams[0]).items() if k in ("token_ids", "text")}
     result["memory_mib"] = memory_mib()
+    jit_cache = sys.modules.get("lse_backends.jit.cache")
+    if jit_cache is not None:   # functions compiled here, not loaded from the disk cache: the peak RSS holds numba's
+        result["jit_compiled"] = len(jit_cache.COMPILED)   # compile (the warm-up compiled before any timing)
     return result
 
 

@@ -168,6 +168,8 @@ def merge_rounds(rounds: list[dict[str, Any]], concurrency: list[int]) -> dict[s
         decode["tps"] = statistics.median(r["decode"][n]["tps"] for r in rounds)
     if "memory_mib" in merged:
         merged["memory_mib"]["hwm"] = max(r["memory_mib"]["hwm"] for r in rounds)
+    if "jit_compiled" in merged:
+        merged["jit_compiled"] = max(r["jit_compiled"] for r in rounds)
     merged["rounds"] = [figures(r, concurrency) for r in rounds]
     return merged
 
@@ -285,6 +287,10 @@ def notes(report: dict[str, Any]) -> str:
                  if min(c) < (s["max_tokens_single"] if n == "1" else s["max_tokens_batch"])}
         if short:
             lines.append(f"{_label(name, s['pool'])}: some sequences ended early (end-of-text): tokens {short}")
+        if result.get("jit_compiled"):
+            lines.append(f"{_label(name, s['pool'])}: compiled {result['jit_compiled']} of jit:0's functions in its "
+                         "process (its disk cache was cold for this code), so its peak RSS holds numba's compile; "
+                         "a second run gives the warm figure (the timings came after the warm-up compiled)")
         if "agrees_with_lse_chars" in result and name != "lse":
             lines.append(f"{_label(name, s['pool'])}: single-stream greedy text equals LSE's for the first "
                          f"{result['agrees_with_lse_chars']} characters (of {len(result['single_stream']['text'])})")
