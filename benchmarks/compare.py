@@ -420,7 +420,9 @@ def matrix_table(reports: dict[str, dict[str, Any]]) -> str:
             lines.append(f"| {name} | {failed.get('skipped') or 'FAILED: ' + str(failed.get('error'))} |")
             continue
         mine, theirs = lse["rounds"], llama["rounds"]
-        values = [statistics.median(r[k] for r in rounds if r[k] is not None) if any(r[k] for r in rounds) else None
+        # a figure a run did not measure (decode@16 without --concurrency 16) is missing from its rounds
+        values = [statistics.median(r[k] for r in rounds if r.get(k) is not None) if any(r.get(k) for r in rounds)
+                  else None
                   for rounds, k in ((mine, "prefill_tps"), (theirs, "prefill_tps"), (mine, "ttft_ms"),
                                     (theirs, "ttft_ms"), (mine, "decode@1"), (theirs, "decode@1"),
                                     (mine, "decode@16"), (mine, "peak_rss_mib"), (theirs, "peak_rss_mib"))]
@@ -428,7 +430,7 @@ def matrix_table(reports: dict[str, dict[str, Any]]) -> str:
         row = [name, f"{model['parameters'] / 1e9:.2f}B", f"{model['file_bytes'] / 1e6:,.0f}",
                *(_cell(v) for v in values)]
         for _, key, theirs_key, op, bound in TARGETS:
-            ratios = [a[key] / b[theirs_key] for a, b in zip(mine, theirs) if a[key] and b[theirs_key]]
+            ratios = [a[key] / b[theirs_key] for a, b in zip(mine, theirs) if a.get(key) and b.get(theirs_key)]
             row.append(_target_cell(statistics.median(ratios) if ratios else None, op, bound))
         share = lse.get("bandwidth_share")
         if share is None:
