@@ -611,6 +611,22 @@ def test_cached_code_is_recompiled_when_any_source_of_the_package_changes(tmp_pa
     assert isinstance(program.execute._cache._impl.locator, cache.PackageLocator)
 
 
+def test_a_generated_function_numba_cannot_cache_warns_and_runs(tmp_path, monkeypatch):
+    """numba will not cache code that holds an address (here a global array over its 1 MB limit, linked by
+    pointer): under PackageLocator that is numba's warning, naming the file, and the function still runs."""
+    monkeypatch.setenv("LSE_JIT_CACHE", str(tmp_path))
+    module_file = tmp_path / "holds_an_address.py"
+    module_file.write_text("import numpy as np\nfrom numba import njit\n\nBIG = np.ones(300_000, np.float32)\n\n\n"
+                           "@njit(cache=True)\ndef total():\n    return BIG.sum()\n")
+    spec = importlib.util.spec_from_file_location("holds_an_address", module_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.warns(numba.NumbaWarning, match="Cannot cache compiled function") as caught:
+        assert module.total() == 300_000
+    assert isinstance(module.total._cache._impl.locator, cache.PackageLocator)
+    assert any(w.filename == str(module_file) for w in caught)
+
+
 TYPED_LISTS = """
 import json
 import numpy as np

@@ -72,6 +72,7 @@ class PackageLocator(_CacheLocator):
 
     def __init__(self, inner: _CacheLocator) -> None:
         self.inner = inner
+        self._py_file = inner._py_file   # numba's warning for a function it cannot cache names the file
 
     def ensure_cache_path(self) -> None:
         self.inner.ensure_cache_path()
