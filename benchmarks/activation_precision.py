@@ -113,8 +113,9 @@ def main() -> None:
         runs.append((f"two for {parts}, one elsewhere",
                      {name: 2 if any(p in name for p in wide) else 1 for name in linears}))
     for label, planes_of in runs:
-        error = first_logits(model, prompts, planes_of) - reference
-        flips = int(np.sum((reference + error).argmax(axis=1) != reference.argmax(axis=1)))
+        logits = first_logits(model, prompts, planes_of)
+        error = logits - reference
+        flips = int(np.sum(logits.argmax(axis=1) != reference.argmax(axis=1)))
         print(f"| {label} | {np.sqrt(np.mean(error ** 2, axis=1)).mean():.4f} | "
               f"{np.abs(error).max(axis=1).mean():.4f} | {flips} of {len(prompts)} |")
 
