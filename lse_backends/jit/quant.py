@@ -1247,12 +1247,16 @@ def quantize_activations(kind: int, x: np.ndarray, scratch: np.ndarray, row_inva
 
 
 # Work items: a product splits into items of about ITEM_WORK block-rows x tokens, at most MAX_ITEMS of them
-# (enough to balance two to eight threads), each a range of whole pairs of row groups. 2048 (~5 us on Zen 3,
+# (enough to balance two to eight threads), each a range of whole pairs of row groups, and a product of
+# SPLIT_WORK or more into two at least (programs round that up to one per thread). 2048 (~5 us on Zen 3,
 # whose two vCPUs share a core: claiming an item cost ~0.1 us, waking a thread ~1.2 us) made the Xeon's
 # decode step, two cores whose counters and shared reference counts cross between them, 4-16 % slower than
 # 8192 (Qwen2.5-0.5B Q4_0 22.4-23.8 -> 20.5-20.8 ms, Q8_0 31.8-32.9 -> 31.0-31.6, Llama-3.2-1B Q4_K_M
-# 54.2 -> 51.9); steps of 16 tokens and more hit MAX_ITEMS either way.
-ITEM_WORK = 8192
+# 54.2 -> 51.9); 32768, with the small products still split at 8192, another 2-9 % faster (Qwen2.5-0.5B
+# Q4_0 18.2-18.8 -> 16.8-17.2 ms, Llama-3.2-1B Q4_K_M 40.3-40.8 -> 37.0-39.3; 65536 measured alike). Steps
+# of 16 tokens and more hit MAX_ITEMS on their large products either way.
+ITEM_WORK = 32768
+SPLIT_WORK = 8192
 MAX_ITEMS = 64
 
 
@@ -1267,7 +1271,8 @@ def linear_items(n_rows: int, x: np.ndarray) -> int:
     """How many work items ``linear`` splits x @ W.T into, for n_rows rows of W (or of several weights that
     x meets in one instruction, program.py)."""
     work = x.shape[0] * n_rows * (x.shape[1] // BLOCK)
-    return max(1, min(linear_items_most(n_rows), MAX_ITEMS, work // ITEM_WORK))
+    items = max(work // ITEM_WORK, 2 if work >= SPLIT_WORK else 1)
+    return min(linear_items_most(n_rows), MAX_ITEMS, items)
 
 
 @njit(cache=True, nogil=True, inline="always")
