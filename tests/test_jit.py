@@ -154,6 +154,37 @@ def test_linked_linears_of_one_input_share_their_work_items(jit, n_rows):
         np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
+def test_a_timed_run_stamps_each_task_on_the_threads_that_did_its_items(jit):
+    """Program.time_tasks (profile_step.py --tasks): per task and thread, the cycle counter at the task's start and
+    at the end of the thread's last item of it, within the run; a task of one item is thread 0's; an untimed run
+    records nothing."""
+    weights = {"w0": quantized("Q4_1", 200, 320), "w1": quantized("Q8_0", 24, 320)}
+    nodes = [ir.Node("linear", ("x",), f"y{j}", (f"w{j}",)) for j in range(2)]
+    linked = jit.link([compile_group(jit, [node], {k: weights[k] for k in node.params}) for node in nodes], ["x"],
+                      ["y0", "y1"])
+    assert len(linked.instructions) == 2   # two types: two tasks, the first of two items, the second of one
+    x = RNG.standard_normal((19, 320)).astype(np.float32)
+    step = make_step([(0, list(range(19)), 0)])
+    expected = [y.copy() for y in linked([x], step)]   # the outputs are views of buffers the next run reuses
+    assert linked.task_cycles() is None
+    linked.time_tasks = True
+    before = program.cycle_counter()
+    outputs = linked([x], step)
+    after = program.cycle_counter()
+    stamps = linked.task_cycles()
+    assert stamps.shape == (2, program.PHASES, numba.get_num_threads(), 2)
+    assert not stamps[:, 1].any()   # a linear has one phase
+    start, end = stamps[:, 0, :, 0], stamps[:, 0, :, 1]
+    did = end > 0
+    assert did.any(axis=1).all() and did[1, 0] and did[1].sum() == 1
+    assert (before <= start[did]).all() and (start[did] <= end[did]).all() and (end <= after).all()
+    for a, b in zip(outputs, expected, strict=True):
+        np.testing.assert_array_equal(a, b)   # timing changes nothing computed
+    linked.time_tasks = False
+    linked([x], step)
+    assert linked.task_cycles() is None
+
+
 @pytest.mark.parametrize("n_rows", [1, 19])
 def test_a_gated_mlps_down_projection_takes_two_activation_planes_at_every_step(jit, n_rows):
     """Q4 products (quant._planes): a gated MLP's down projection (linear's attrs.mlp "down") meets two int8

@@ -1,6 +1,6 @@
 """Atomic counters and spin-waiting for the threads of one program run (program.py): numba has no atomics
 of its own, so these are LLVM ``atomicrmw`` and atomic loads on an int64 array's elements, emitted through
-``@intrinsic``."""
+``@intrinsic``; and the cycle counter that times a program's tasks."""
 
 from __future__ import annotations
 
@@ -76,3 +76,18 @@ def nap(typingctx, microseconds):
         return context.get_dummy_value()
 
     return types.void(microseconds), codegen
+
+
+@intrinsic
+def cycles(typingctx):
+    """The x86 time-stamp counter (rdtsc, at a constant rate on current CPUs); 0 elsewhere (LLVM's
+    readcyclecounter reads a performance counter on some targets that user code may not)."""
+
+    def codegen(context, builder, signature, args):
+        if not _X86:
+            return ir.Constant(ir.IntType(64), 0)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                            "llvm.readcyclecounter")
+        return builder.call(fn, [])
+
+    return types.int64(), codegen

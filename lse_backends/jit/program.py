@@ -89,6 +89,20 @@ def counter_size(n_instructions: int, n_threads: int) -> int:
     return n_instructions * PHASES * (n_threads + 1) * LINE
 
 
+@njit(cache=True, nogil=True)
+def timing_size(n_instructions: int, n_threads: int) -> int:
+    """int64s after the counters that a timed run (``Program.time_tasks``) fills: per instruction, phase and
+    thread, the cycle counter when the thread began the task (its wait over) and when it finished its last item
+    of it (0 if it did none)."""
+    return n_instructions * PHASES * n_threads * 2
+
+
+@njit(cache=True, nogil=True)
+def cycle_counter() -> int:
+    """The cycle counter the task times are read from (atomics.cycles), callable from Python to calibrate it."""
+    return atomics.cycles()
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _wait(counters, at, value):
     """Spin until counters[at] reaches value; past SPINS spins, nap between looks. A napping thread holds
@@ -253,6 +267,8 @@ def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tok
     scratch = quant.activation_scratch(tokens.shape[0], widest)  # this thread's int8 activations
     quantized_for = -1  # the instruction they are for
     before, before_items = -1, 0  # the task before: its done counter and item count
+    timings = counter_size(code.shape[0], n_threads)  # where a timed run's task times start
+    timed = counters.shape[0] >= timings + timing_size(code.shape[0], n_threads)
     for k in range(code.shape[0]):
         c, n = code[k], counts[k]
         for phase in range(PHASES if c[0] == ATTENTION else 1):
@@ -261,6 +277,9 @@ def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tok
             if n_items > 1 or thread == 0:
                 if before >= 0:
                     _wait(counters, before, before_items)
+                stamp = timings + ((k * PHASES + phase) * n_threads + thread) * 2
+                if timed:
+                    counters[stamp] = atomics.cycles()
                 for j in range(n_threads if n_items > 1 else 1):
                     owner = (thread + j) % n_threads
                     first, end = _span(n_items, n_threads, owner) if n_items > 1 else (0, 1)
@@ -274,6 +293,8 @@ def _work(code, floats, acts, flats, counts, mats, qmats, vecs, caches, fns, tok
                              tokens, positions, row_slot, sample_rows, scratch, row_invariant, linear_pairs, store_kv,
                              attention)
                         atomics.fetch_add(counters, done, 1)  # after the item's writes: whoever sees it sees them
+                        if timed:
+                            counters[stamp + 1] = atomics.cycles()
                         item = first + atomics.fetch_add(counters, done + (owner + 1) * LINE, 1)
             before, before_items = done, n_items
 
@@ -283,8 +304,9 @@ def execute(kernels, code, floats, acts, flats, rows, mats, qmats, vecs, caches,
             tokens, positions, slots, query_starts, sample_rows, counters, n_threads, row_invariant):
     """Run every instruction in order on ``n_threads`` threads (numba's count: each gets one part).
     ``rows`` holds each value's live row count (set for the inputs); ``counters`` has at least
-    ``counter_size(n_instructions, n_threads)`` int64s; ``kernels`` is ``compiled_kernels()``; ``row_invariant``:
-    each row computed as a one-token step computes it (quant._groups), whatever else the step holds."""
+    ``counter_size(n_instructions, n_threads)`` int64s (with ``timing_size`` more, the run times its tasks);
+    ``kernels`` is ``compiled_kernels()``; ``row_invariant``: each row computed as a one-token step computes it
+    (quant._groups), whatever else the step holds."""
     row_slot = np.empty(tokens.shape[0], np.int64)  # each token row's KV cache slot
     for i in range(slots.shape[0]):
         row_slot[query_starts[i]:query_starts[i + 1]] = slots[i]
@@ -295,7 +317,7 @@ def execute(kernels, code, floats, acts, flats, rows, mats, qmats, vecs, caches,
         for j in range(OUT, IN):
             if c[j] >= 0:
                 rows[c[j]] = sample_rows.shape[0] if c[0] == LAST_ROWS else counts[k]
-    counters[:counter_size(code.shape[0], n_threads)] = 0
+    counters[:] = 0
     # one parallel region for the whole program, its threads meeting at each instruction's end, instead
     # of waking them for each parallel op (hundreds a step)
     for thread in prange(n_threads):  # np.int64: numba types the index unsigned when it lowers the loop
@@ -473,6 +495,8 @@ class Program:
         self.resources = lists  # as typed lists at the first call: a group's program is often only linked
         self.acts: list[np.ndarray] = []
         self.counters = np.zeros(0, np.int64)
+        self.threads = 0   # the last run's
+        self.time_tasks = False   # record each task's start and end on each thread (``task_cycles``)
 
     def _allocate(self, inputs: Sequence[np.ndarray], rows: int) -> None:
         """Buffers of ``rows`` rows; widths follow from the inputs' through the code. A value's buffer
@@ -525,14 +549,28 @@ class Program:
             self.acts[k][:x.shape[0]] = x
             self.rows[k] = x.shape[0]
         lists, n_threads = self.lists, numba.get_num_threads()
-        if self.counters.size < counter_size(len(self.instructions), n_threads):
-            self.counters = np.zeros(counter_size(len(self.instructions), n_threads), np.int64)
+        size = counter_size(len(self.instructions), n_threads)
+        if self.time_tasks:
+            size += timing_size(len(self.instructions), n_threads)
+        if self.counters.size != size:
+            self.counters = np.zeros(size, np.int64)
+        self.threads = n_threads
         indices = [np.ascontiguousarray(a, np.int32) for a in  # _work's signature: int32, contiguous
                    (step.tokens, step.positions, step.slots, step.query_starts, step.sample_rows)]
         execute(compiled_kernels(self.kinds), self.code, self.floats, self.typed_acts, self.typed_flats, self.rows,
                 lists["mats"], lists["qmats"], lists["vecs"], lists["caches"], lists["fns"], *indices, self.counters,
                 n_threads, self.row_invariant)
         return [self.acts[self.slot[name]][:self.rows[self.slot[name]]] for name in self.outputs]
+
+    def task_cycles(self) -> np.ndarray | None:
+        """The last run's task times, with ``time_tasks`` set: [instruction, phase, thread, (start, end)] in
+        ``cycle_counter()``'s cycles (``timing_size``), end 0 where the thread did none of the task's items (a
+        task of one item is thread 0's); None for an untimed run."""
+        n, threads = len(self.instructions), self.threads
+        timings = counter_size(n, threads)
+        if not threads or self.counters.size < timings + timing_size(n, threads):
+            return None
+        return self.counters[timings:timings + timing_size(n, threads)].reshape(n, PHASES, threads, 2).copy()
 
     def _check(self, step: Step) -> None:
         """What numba would not: ids inside the vocabulary, positions and slots inside the cache."""
