@@ -3,7 +3,9 @@ and streamed, function tools, previous_response_id) and by raw HTTP for bad inpu
 
 Expected values come from the core's own endpoint on the same server: the Responses adapter must give
 what /v1/chat/completions gives for the same conversation (greedy text, prompt tokens, stop reasons),
-and, for tools and reasoning, the scripted checkpoints of test_tool_calls.py and test_thinking_e2e.py."""
+and, for tools and reasoning, the scripted checkpoints of test_tool_calls.py and test_thinking_e2e.py. Every
+response object, stream event and compaction is also checked against the Open Responses OpenAPI document
+(../shared/spec/openresponses/openapi.json beside the repository, read where it is)."""
 
 from __future__ import annotations
 
@@ -11,26 +13,72 @@ import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from referencing import Registry
+from referencing.jsonschema import DRAFT202012
 from test_server import CHAT_TEMPLATE, HELLO, Server, lse_server, validate
 from test_thinking_e2e import QWEN3, scripted_thinking, thinking_checkpoint
 from test_tool_calls import CALL, TOOLS, scripted, tool_checkpoint
 
-from lse_core.adapters.responses import ResponseStore
+from lse_core.adapters.common import CoreDelta
+from lse_core.adapters.responses import COMPACT_INSTRUCTION, ResponseStore, start
 
 QUESTION = HELLO[0]["content"]
 FUNCTION_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]   # Responses' flat function tool
+MAX_TOKENS = 64   # the server's --max-tokens: the operator's cap
+KV_LEN = 256      # room for a compaction's instruction after a conversation
+OPEN_RESPONSES = Path(__file__).resolve().parents[2] / "shared" / "spec" / "openresponses" / "openapi.json"
+STREAM_EVENT = "#/paths/~1responses/post/responses/200/content/text~1event-stream/schema"   # the events' union
+# Open Responses' prose names a content part's events response.<part type>.delta and .done, which for a
+# reasoning_text part are the names OpenAI and LSE send; its document names them response.reasoning.delta and
+# .done, with the same fields. An event of one is checked against the document's schema of the other.
+DOCUMENT_EVENT_TYPES = {"response.reasoning_text.delta": "response.reasoning.delta",
+                        "response.reasoning_text.done": "response.reasoning.done"}
+
+
+@cache
+def open_responses() -> Registry:
+    assert OPEN_RESPONSES.is_file(), f"the Open Responses document is read from {OPEN_RESPONSES}"
+    document = DRAFT202012.create_resource(json.loads(OPEN_RESPONSES.read_text()))
+    return Registry().with_resource("urn:openresponses", document)
+
+
+def open_responses_validate(instance: Any, pointer: str) -> None:
+    """Checks ``instance`` against the Open Responses document's schema at ``pointer`` ("#/components/...")."""
+    jsonschema.Draft202012Validator({"$ref": f"urn:openresponses{pointer}"},
+                                    registry=open_responses()).validate(instance)
+
+
+def schema(name: str) -> str:
+    return f"#/components/schemas/{name}"
+
+
+def validate_stream(events: list[dict[str, Any]]) -> None:
+    """Each event against the document's union of stream events, each response it carries as a response."""
+    for event in events:
+        open_responses_validate(event | {"type": DOCUMENT_EVENT_TYPES.get(event["type"], event["type"])},
+                                STREAM_EVENT)
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+
+
+def sse_stream(http: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with http.stream("POST", "/v1/responses", json=body | {"stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        return [json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: ")]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint) -> Iterator[Server]:
     model = tiny_checkpoint("qwen3", chat_template=CHAT_TEMPLATE)
-    with lse_server(model, "--kv-len", "128", "--parallel", "2", "--pool", "cpu:0") as s:
+    with lse_server(model, "--kv-len", str(KV_LEN), "--parallel", "2", "--pool", "cpu:0",
+                    "--max-tokens", str(MAX_TOKENS)) as s:
         yield s
 
 
@@ -187,6 +235,44 @@ def test_retrieve_and_delete_a_stored_response(client: openai.OpenAI) -> None:
         client.responses.retrieve(unstored.id)
 
 
+def test_open_responses_object_and_events(http: httpx.Client) -> None:
+    """The response object, whole and in every stream event, has each field the Open Responses document
+    requires, of the types it gives; the settings are those the reply was made with."""
+    entry = http.get("/v1/models").json()["data"][0]
+    defaults = entry["generation_defaults"]
+    body = {"input": QUESTION, "max_output_tokens": 4, "instructions": "Be brief.", "max_tool_calls": 2,
+            "safety_identifier": "user-1", "prompt_cache_key": "greeting", "service_tier": "auto",
+            "metadata": {"topic": "capitals"}}
+    whole = http.post("/v1/responses", json=body).json()
+    open_responses_validate(whole, schema("ResponseResource"))
+    assert (whole["temperature"], whole["top_p"]) == (defaults["temperature"], defaults["top_p"])
+    assert (whole["presence_penalty"], whole["frequency_penalty"]) == (defaults["presence_penalty"], 0.0)
+    assert (whole["background"], whole["service_tier"], whole["top_logprobs"]) == (False, "default", 0)
+    assert (whole["max_tool_calls"], whole["safety_identifier"], whole["prompt_cache_key"]) == (2, "user-1",
+                                                                                                   "greeting")
+    events = sse_stream(http, body | {"temperature": 0, "top_p": 0.5, "presence_penalty": 0.25,
+                                      "frequency_penalty": 0.5})
+    validate_stream(events)
+    created, final = events[0]["response"], events[-1]["response"]
+    assert created["status"] == "in_progress" and created["completed_at"] is None and created["usage"] is None
+    for response in (created, final):
+        assert (response["temperature"], response["top_p"], response["presence_penalty"],
+                response["frequency_penalty"]) == (0.0, 0.5, 0.25, 0.5)
+    completed = http.post("/v1/responses", json=body | {"max_output_tokens": MAX_TOKENS, "stop": ["a", "e", "o"]})
+    completed = completed.json()
+    assert completed["status"] == "completed" and completed["created_at"] <= completed["completed_at"]
+    open_responses_validate(completed, schema("ResponseResource"))
+
+
+def test_operator_cap_names_max_tokens(http: httpx.Client) -> None:
+    """The spec: a request above lse-server --max-tokens gets 400 with param max_tokens, whatever the API."""
+    response = http.post("/v1/responses", json={"input": QUESTION, "max_output_tokens": MAX_TOKENS + 1})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_value", "max_tokens") and str(MAX_TOKENS) in error["message"]
+    assert http.post("/v1/responses", json={"input": QUESTION, "max_output_tokens": MAX_TOKENS}).status_code == 200
+
+
 @pytest.mark.parametrize("body, code, param", [
     ({}, "missing_field", "input"),
     ({"input": 3}, "invalid_type", "input"),
@@ -201,6 +287,13 @@ def test_retrieve_and_delete_a_stored_response(client: openai.OpenAI) -> None:
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "invalid_value", "tools[0].type"),
     ({"input": "word " * 200}, "context_full", "input"),
     ({"input": "Hi", "model": "gpt-5"}, "model_not_found", "model"),
+    ({"input": "Hi", "background": True}, "invalid_value", "background"),
+    ({"input": "Hi", "top_logprobs": 3}, "invalid_value", "top_logprobs"),
+    ({"input": "Hi", "top_logprobs": 21}, "invalid_value", "top_logprobs"),
+    ({"input": "Hi", "service_tier": "fastest"}, "invalid_value", "service_tier"),
+    ({"input": "Hi", "max_tool_calls": 0}, "invalid_value", "max_tool_calls"),
+    ({"input": "Hi", "presence_penalty": "high"}, "invalid_type", "presence_penalty"),
+    ({"input": [{"type": "compaction"}]}, "missing_field", "input[0].encrypted_content"),
 ])
 def test_bad_input_is_an_openai_error(http: httpx.Client, body: dict, code: str, param: str) -> None:
     response = http.post("/v1/responses", json=body)
@@ -209,7 +302,7 @@ def test_bad_input_is_an_openai_error(http: httpx.Client, body: dict, code: str,
     assert (error["code"], error["param"]) == (code, param), error
     assert error["type"] == "invalid_request_error" and error["message"]
     if code == "context_full":
-        assert error["lse_context"]["context_length"] == 128
+        assert error["lse_context"]["context_length"] == KV_LEN
 
 
 def test_openapi_describes_the_replies(http: httpx.Client) -> None:
@@ -242,6 +335,48 @@ def test_text_format_json_schema(client: openai.OpenAI, http: httpx.Client) -> N
     assert response.output_text == expected["choices"][0]["message"]["content"]
     jsonschema.validate(json.loads(response.output_text), SMALL_SCHEMA)
     assert response.text.format.type == "json_schema" and response.status == "completed"
+
+
+# ---- compaction ----
+
+def test_compact_summarises_the_conversation(client: openai.OpenAI, http: httpx.Client) -> None:
+    """/v1/responses/compact: the model's answer to the compaction instruction after the conversation is the
+    compaction item, after the conversation's user messages; the next turn reads it as the model's own turn."""
+    first = client.responses.create(input=QUESTION, max_output_tokens=4, temperature=0)
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    raw = client.responses.with_raw_response.compact(model=model, previous_response_id=first.id,
+                                                     input="And of Germany?", extra_body={"top_k": 1})   # greedy
+    compacted, compacted_json = raw.parse(), json.loads(raw.text)
+    open_responses_validate(compacted_json, schema("CompactResource"))
+    conversation = [HELLO[0], {"role": "assistant", "content": first.output_text},
+                    {"role": "user", "content": "And of Germany?"}]
+    expected = chat(http, conversation + [{"role": "user", "content": COMPACT_INSTRUCTION}], top_k=1)
+    *kept, summary = compacted.output
+    assert [(m.type, m.role, m.content[0].text) for m in kept] == [
+        ("message", "user", QUESTION), ("message", "user", "And of Germany?")]
+    assert summary.type == "compaction" and summary.id.startswith("cmp_")
+    assert summary.encrypted_content == expected["choices"][0]["message"]["content"].strip()
+    assert compacted.usage.input_tokens == expected["usage"]["prompt_tokens"]
+    assert compacted.model_extra["stop_reason"] == expected["choices"][0]["stop_reason"]
+
+    follow_up = client.responses.create(input=compacted_json["output"] + [{"role": "user", "content": "Thanks."}],
+                                        max_output_tokens=1)
+    assert follow_up.usage.input_tokens == prompt_tokens(http, [
+        HELLO[0], {"role": "user", "content": "And of Germany?"},
+        {"role": "assistant", "content": summary.encrypted_content}, {"role": "user", "content": "Thanks."}])
+
+
+@pytest.mark.parametrize("body, code, param", [
+    ({}, "missing_field", "input"),
+    ({"input": []}, "missing_field", "input"),
+    ({"input": "Hi", "stream": True}, "invalid_value", "stream"),
+    ({"previous_response_id": "resp_nothing"}, "previous_response_not_found", "previous_response_id"),
+    ({"input": [{"role": "user", "content": 3}]}, "invalid_type", "input[0].content"),
+])
+def test_compact_bad_input(http: httpx.Client, body: dict, code: str, param: str) -> None:
+    response = http.post("/v1/responses/compact", json=body)
+    assert response.status_code == 400, response.text
+    assert (response.json()["error"]["code"], response.json()["error"]["param"]) == (code, param)
 
 
 def test_the_server_still_serves_after_bad_input(client: openai.OpenAI) -> None:
@@ -313,6 +448,20 @@ def test_function_call_streamed(tool_server: tuple[Server, dict[str, Any]]) -> N
                      "response.output_item.done", "response.completed"]
     assert json.loads(events[3].delta) == CALL["arguments"] and events[4].name == CALL["name"]
     assert events[5].item.status == "completed" and events[-1].response.output[0].call_id == events[5].item.call_id
+    validate_stream([event.model_dump(mode="json", exclude_unset=True) for event in events])
+    open_responses_validate(events[-1].response.model_dump(mode="json", exclude_unset=True),
+                            schema("ResponseResource"))
+
+
+def test_max_tool_calls_leaves_out_later_calls() -> None:
+    """The adapter alone (no model makes two calls on cue): a reply's calls past max_tool_calls are left out."""
+    calls = [{"id": f"call_{n}", "type": "function", "function": {"name": CALL["name"], "arguments": "{}"}}
+             for n in range(3)]
+    for limit, kept in ((None, 3), (2, 2), (1, 1)):
+        _, translation = start({"input": QUESTION, "tools": FUNCTION_TOOLS, "max_tool_calls": limit},
+                               ResponseStore(), "model")
+        translation.feed(CoreDelta(tool_calls=calls))
+        assert [item["call_id"] for item in translation.output] == [call["id"] for call in calls[:kept]]
 
 
 # ---- reasoning ----
@@ -336,6 +485,7 @@ def test_reasoning_is_a_reasoning_item(thinking_server: tuple[Server, dict[str, 
         events = list(stream)
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning.content[0].text
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
+    validate_stream([event.model_dump(mode="json", exclude_unset=True) for event in events])
     off = client.responses.create(**fields, reasoning={"effort": "none"})
     assert [item.type for item in off.output] == ["message"]
     assert off.usage.input_tokens > response.usage.input_tokens    # the template closed an empty block

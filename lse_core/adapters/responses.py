@@ -2,12 +2,18 @@
 
 ``input`` (a string, or messages, function_call and function_call_output items), ``instructions`` and a
 stored conversation (``previous_response_id``) become chat messages; the core's chunks become output items
-(reasoning, message, function_call) and the typed stream events the openai SDK reads. The final response
-carries LSE's stop_reason, lse_context, timings and lse_warnings beside OpenAI's fields."""
+(reasoning, message, function_call) and the typed stream events the openai SDK reads. The response object has
+every field the Open Responses specification requires of one (the settings the reply was made with among them),
+and LSE's stop_reason, lse_context, timings and lse_warnings beside them.
+
+``POST /v1/responses/compact`` (``compact``) runs the model over the conversation to summarise it: its answer is
+the conversation's user messages and a compaction item holding the summary, which a later request passes as
+its input in place of the earlier turns."""
 
 from __future__ import annotations
 
 import copy
+import json
 import threading
 import time
 import uuid
@@ -17,7 +23,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag
 from typing_extensions import TypeAliasType, TypedDict  # pydantic reads typing's TypedDict only from Python 3.12
 
+from lse_core import protocol
 from lse_core.adapters.common import (
+    AS_INTEGER,
     Body,
     CoreDelta,
     CoreEnd,
@@ -28,12 +36,17 @@ from lse_core.adapters.common import (
     pass_through,
     renamed_param,
 )
-from lse_core.errors import LSEError, invalid_request
+from lse_core.errors import ErrorDetail, LSEError, invalid_request
 from lse_core.protocol import Closing, StopReason
+from lse_core.sampling import GenerationDefaults, resolve_sampling
 
 STORED_RESPONSES = 256   # conversations kept for previous_response_id; the oldest goes first
-# Chat fields as a Responses body names them, for the core's errors.
-PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+# Chat fields as a Responses body names them, for the core's errors. The operator's cap (--max-tokens) keeps
+# the name max_tokens, as the spec says of every API.
+PARAMS = {"messages": "input", "response_format": "text.format"}
+# What /v1/responses/compact asks the model, after the conversation: its answer is the compaction item.
+COMPACT_INSTRUCTION = ("Summarize the conversation so far, to continue it without the earlier messages: the user's "
+                       "goals, the facts found, the decisions made and the open tasks. Write only the summary.")
 
 
 # ---- the request ----
@@ -73,13 +86,21 @@ class ReasoningItem(Part):
     content: list[ReasoningText] | None = None
 
 
+class CompactionInputItem(Part):
+    """A compaction item from /v1/responses/compact: the summary of the turns it replaces."""
+
+    type: Literal["compaction"]
+    encrypted_content: str
+
+
 def _item_type(value: Any) -> str:
     return value.get("type", "message") if isinstance(value, dict) else "message"
 
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")]
+    | Annotated[CompactionInputItem, Tag("compaction")],
     Discriminator(_item_type)]
 
 
@@ -113,9 +134,14 @@ class TextConfig(Part):
     format: TextFormat | None = None
 
 
+ServiceTier = Literal["auto", "default", "flex", "priority"]
+Key = Annotated[str, Field(max_length=64)]
+
+
 class ResponsesRequest(Body):
     """A /v1/responses body. LSE's own sampling and thinking fields (top_k, min_p, seed, stop,
-    enable_thinking, ...) pass through to the core as chat-completions fields."""
+    enable_thinking, ...) and presence_penalty, frequency_penalty pass through to the core as chat-completions
+    fields."""
 
     model: str | None = None
     input: str | list[InputItem]
@@ -132,6 +158,24 @@ class ResponsesRequest(Body):
     reasoning: Reasoning | None = None
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
+    max_tool_calls: Positive | None = None      # the reply's function calls past it are left out
+    top_logprobs: Annotated[int, Field(ge=0, le=20), AS_INTEGER] | None = None
+    background: bool | None = None
+    service_tier: ServiceTier | None = None     # LSE has one tier: "default"
+    safety_identifier: Key | None = None        # echoed
+    prompt_cache_key: Key | None = None         # echoed: LSE's prefix cache needs no key
+
+
+class CompactRequest(Body):
+    """A /v1/responses/compact body: the conversation to compact, as /v1/responses takes one. Other fields pass
+    through as they do there (LSE's sampling and thinking fields)."""
+
+    model: str | None = None
+    input: str | list[InputItem] | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    prompt_cache_key: Key | None = None
+    stream: bool | None = None
 
 
 class ResponseStore:
@@ -204,6 +248,8 @@ def chat_messages(items: list[Any]) -> list[dict[str, Any]]:
                 if not messages or messages[-1]["role"] != "assistant":
                     messages.append({"role": "assistant", "content": ""})
                 messages[-1].setdefault("tool_calls", []).append(call)
+            elif isinstance(item, CompactionInputItem):   # the model's own summary of the turns it replaces
+                messages.append({"role": "assistant", "content": item.encrypted_content})
             else:
                 messages.append({"role": item.role, "content": _text(item.content)})
             if reasoning is not None and messages[-1]["role"] == "assistant":
@@ -221,13 +267,30 @@ def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
 
 
-def start(body: Any, store: ResponseStore, model_id: str) -> tuple[dict[str, Any], ResponsesTranslation]:
-    """A /v1/responses body as the chat body to run and the translation of its reply; raises LSEError."""
-    req = checked(ResponsesRequest, body)
+def _conversation(req: ResponsesRequest | CompactRequest, store: ResponseStore) -> list[dict[str, Any]]:
+    """The stored conversation ``previous_response_id`` names, then ``input``'s items, as chat messages."""
     history = store.conversation(req.previous_response_id) if req.previous_response_id else []
-    items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
-    conversation = history + chat_messages(items)
-    system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+    items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input or []
+    return history + chat_messages(items)
+
+
+def _system(instructions: str | None) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": instructions}] if instructions is not None else []
+
+
+def start(body: Any, store: ResponseStore, model_id: str,
+          defaults: GenerationDefaults | None = None) -> tuple[dict[str, Any], ResponsesTranslation]:
+    """A /v1/responses body as the chat body to run and the translation of its reply; raises LSEError.
+    ``defaults``: the model's sampling defaults, which the response reports where the body sets none."""
+    req = checked(ResponsesRequest, body)
+    if req.background:
+        raise invalid_request("background: LSE runs every response while its request waits; send stream: true to "
+                              "read it as it is written", "invalid_value", "background")
+    if req.top_logprobs:
+        raise invalid_request("top_logprobs: LSE's Responses output carries no logprobs; /v1/chat/completions "
+                              "returns them (logprobs, top_logprobs)", "invalid_value", "top_logprobs")
+    conversation = _conversation(req, store)
+    system = _system(req.instructions)
     tool_choice = req.tool_choice
     chat = {
         "model": req.model, "messages": system + conversation, "max_tokens": req.max_output_tokens,
@@ -240,7 +303,59 @@ def start(body: Any, store: ResponseStore, model_id: str) -> tuple[dict[str, Any
         "response_format": _response_format(req.text), "stop": body.get("stop"),
     } | pass_through(body)
     chat = {k: v for k, v in chat.items() if v is not None}
-    return chat, ResponsesTranslation(req, conversation, store, model_id)
+    return chat, ResponsesTranslation(req, conversation, store, model_id, sampling_used(chat, defaults))
+
+
+def sampling_used(chat: dict[str, Any], defaults: GenerationDefaults | None) -> SamplingUsed:
+    """The sampling the core runs ``chat`` with (its fields, else the model's defaults), as the response reports
+    it. The chat body is checked here as the core checks it, so a bad field is refused with the same error."""
+    request = protocol.parse_chat(chat)
+    sampling = resolve_sampling(request, defaults or GenerationDefaults())
+    return SamplingUsed(temperature=sampling.temperature, top_p=sampling.top_p,
+                        presence_penalty=sampling.presence_penalty,
+                        frequency_penalty=float(request.frequency_penalty or 0.0))
+
+
+def compact(body: Any, store: ResponseStore) -> tuple[dict[str, Any], CompactTranslation]:
+    """A /v1/responses/compact body as the chat body that asks the model for the summary, and the translation
+    of its reply into the compacted output; raises LSEError."""
+    req = checked(CompactRequest, body)
+    if req.stream:
+        raise invalid_request("stream: a compaction is answered whole", "invalid_value", "stream")
+    conversation = _conversation(req, store)
+    if not conversation:
+        raise invalid_request("there is no conversation to compact: send input, previous_response_id or both",
+                              "missing_field", "input")
+    messages = _system(req.instructions) + conversation + [{"role": "user", "content": COMPACT_INSTRUCTION}]
+    chat = {k: v for k, v in ({"model": req.model, "messages": messages} | pass_through(body)).items()
+            if v is not None}
+    kept = [UserMessage(type="message", id=_id("msg"), status="completed", role="user",
+                        content=[InputTextPart(type="input_text", text=m["content"])])
+            for m in conversation if m["role"] == "user"]
+    return chat, CompactTranslation(kept)
+
+
+def websocket_body(message: str) -> dict[str, Any]:
+    """A WebSocket message as the /v1/responses body it asks for, streamed: a JSON ``response.create`` event,
+    which does not send ``stream``, ``stream_options`` or ``background`` (every response streams on the socket,
+    as the Open Responses document says). Raises LSEError."""
+    try:
+        event = json.loads(message)
+    except (ValueError, RecursionError) as e:
+        raise invalid_request(f"the message is not valid JSON: {e}", "invalid_json") from None
+    if not isinstance(event, dict):
+        raise invalid_request("a message must be a JSON object", "invalid_type")
+    if event.get("type") != "response.create":
+        raise invalid_request(f"the message's type is {event.get('type')!r:.80}; LSE takes response.create",
+                              "invalid_value", "type")
+    for field in ("stream", "stream_options", "background"):
+        if field in event:
+            raise invalid_request(f"{field} is not sent over the WebSocket: every response streams on it",
+                                  "invalid_value", field)
+    if event.get("generate") is False:
+        raise invalid_request("generate: false (preparing a turn without a response) is not supported",
+                              "invalid_value", "generate")
+    return {k: v for k, v in event.items() if k != "type"} | {"stream": True}
 
 
 def error_body(body: dict[str, Any], status: int) -> dict[str, Any]:
@@ -328,31 +443,45 @@ class ResponseText(TypedDict):
     format: TextFormat                  # the request's text.format ({"type": "text"} without one)
 
 
-class ResponseSnapshot(TypedDict):
+class SamplingUsed(TypedDict):
+    """The sampling a reply was made with: the request's fields, else the model's defaults."""
+
+    temperature: float
+    top_p: float
+    presence_penalty: float
+    frequency_penalty: float
+
+
+class ResponseSnapshot(SamplingUsed):
     """The response as it stands: in progress (usage null) in a stream's first events, finished as a Response.
     The request's settings are echoed back, as OpenAI does: a field typed with a request model holds its JSON."""
 
     id: str
     object: Literal["response"]
     created_at: int
+    completed_at: int | None            # when its status became completed
     status: ResponseStatus
     error: None
     incomplete_details: IncompleteDetails | None
     instructions: str | None
     max_output_tokens: int | None
+    max_tool_calls: int | None
     model: str
     output: list[OutputItem]
     parallel_tool_calls: bool
     previous_response_id: str | None
     reasoning: ResponseReasoning
     store: bool
-    temperature: float | None
-    top_p: float | None
+    background: Literal[False]
+    service_tier: Literal["default"]
+    top_logprobs: Literal[0]
     text: ResponseText
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice
     tools: list[FunctionTool]
     truncation: Literal["disabled"]
     metadata: dict[str, str]
+    safety_identifier: str | None
+    prompt_cache_key: str | None
     usage: ResponseUsage | None
 
 
@@ -467,12 +596,22 @@ class ResponseCancelledEvent(_Event):
 
 
 class ResponseErrorEvent(_Event):
-    """How a stream ends when its request fails after it began."""
+    """How a stream ends when its request fails after it began: the error's fields, as OpenAI sends them, and
+    the whole error under ``error``, as Open Responses does."""
 
     type: Literal["error"]
     code: str | None
     message: str
     param: str | None
+    error: ErrorDetail
+
+
+class WebSocketErrorEvent(TypedDict):
+    """A WebSocket message refused before any of its response's events: its HTTP status and the error."""
+
+    type: Literal["error"]
+    status: int
+    error: ErrorDetail
 
 
 # a named alias: /openapi.json names it as a component, whose schema is the union
@@ -497,8 +636,9 @@ class ResponsesTranslation:
     """The core's deltas as output items and stream events; the whole response at the end."""
 
     def __init__(self, req: ResponsesRequest, conversation: list[dict[str, Any]], store: ResponseStore,
-                 model_id: str) -> None:
+                 model_id: str, sampling: SamplingUsed) -> None:
         self.req = req
+        self.sampling = sampling
         self.stream = bool(req.stream)
         self.conversation = conversation
         self.store = store
@@ -528,9 +668,14 @@ class ResponsesTranslation:
         if delta.content:
             events += self._write("message", delta.content)
         for call in delta.tool_calls:
+            if self.req.max_tool_calls is not None and self._calls() == self.req.max_tool_calls:
+                break
             events += self._close()
             events += self._function_call(call)
         return events
+
+    def _calls(self) -> int:
+        return sum(item["type"] == "function_call" for item in self.output)
 
     def _write(self, kind: Literal["message", "reasoning"], text: str) -> list[ResponseStreamEvent]:
         events = []
@@ -613,12 +758,7 @@ class ResponsesTranslation:
     def finish(self, end: CoreEnd) -> tuple[list[ResponseStreamEvent], Response]:
         events = self._close()
         status = ENDED.get(end.stop_reason, "incomplete")
-        usage = ResponseUsage(
-            input_tokens=end.prompt_tokens, input_tokens_details=InputTokensDetails(cached_tokens=end.cached_tokens),
-            output_tokens=end.completion_tokens,
-            output_tokens_details=OutputTokensDetails(reasoning_tokens=end.reasoning_tokens),
-            total_tokens=end.prompt_tokens + end.completion_tokens)
-        response = Response(**self._snapshot(status, usage), stop_reason=end.stop_reason, **end.lse)
+        response = Response(**self._snapshot(status, _usage(end)), stop_reason=end.stop_reason, **end.lse)
         if self.req.store is not False and status != "cancelled":
             self.store.put(self.id, self.conversation + [self._assistant_turn()], response)
         last = ENDING_EVENTS[status](type=f"response.{status}", sequence_number=self._next(), response=response)
@@ -641,26 +781,111 @@ class ResponsesTranslation:
         """The response object with OpenAI's fields: in progress (no usage yet), or finished."""
         req = self.req
         return ResponseSnapshot(
-            id=self.id, object="response", created_at=self.created, status=status, error=None,
+            id=self.id, object="response", created_at=self.created,
+            completed_at=int(time.time()) if status == "completed" else None, status=status, error=None,
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
-            instructions=req.instructions, max_output_tokens=req.max_output_tokens, model=self.model,
+            instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+            max_tool_calls=req.max_tool_calls, model=self.model,
             output=self.output, parallel_tool_calls=req.parallel_tool_calls is not False,
             previous_response_id=req.previous_response_id,
             reasoning=ResponseReasoning(effort=req.reasoning.effort if req.reasoning else None, summary=None),
-            store=req.store is not False, temperature=req.temperature, top_p=req.top_p,
-            text=ResponseText(format=req.text.format.model_dump(by_alias=True, exclude_none=True)
-                              if req.text and req.text.format else {"type": "text"}),
+            store=req.store is not False, background=False, service_tier="default", top_logprobs=0,
+            **self.sampling, text=ResponseText(format=_format_echo(req.text)),
             tool_choice=req.tool_choice.model_dump() if isinstance(req.tool_choice, FunctionChoice)
             else req.tool_choice or "auto",
             tools=[t.model_dump() for t in req.tools or []], truncation="disabled",
-            metadata=req.metadata or {}, usage=usage)
+            metadata=req.metadata or {}, safety_identifier=req.safety_identifier,
+            prompt_cache_key=req.prompt_cache_key, usage=usage)
 
     def stream_error(self, body: dict[str, Any], status: int) -> ResponseErrorEvent:
         return stream_error_event(body, status, self._next())
+
+
+def _usage(end: CoreEnd) -> ResponseUsage:
+    return ResponseUsage(
+        input_tokens=end.prompt_tokens, input_tokens_details=InputTokensDetails(cached_tokens=end.cached_tokens),
+        output_tokens=end.completion_tokens,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=end.reasoning_tokens),
+        total_tokens=end.prompt_tokens + end.completion_tokens)
+
+
+def _format_echo(text: TextConfig | None) -> dict[str, Any]:
+    """The request's text.format as a response reports it: a json_schema format with each of its fields."""
+    fmt = text.format if text else None
+    if fmt is None:
+        return {"type": "text"}
+    if fmt.type != "json_schema":
+        return {"type": fmt.type}
+    return fmt.model_dump(by_alias=True) | {"strict": bool(fmt.strict)}
 
 
 def stream_error_event(body: dict[str, Any], status: int, sequence_number: int) -> ResponseErrorEvent:
     """The ``error`` event a stream ends with when its request fails after ``sequence_number`` events."""
     error = error_body(body, status)["error"]
     return ResponseErrorEvent(type="error", sequence_number=sequence_number, code=error["code"],
-                              message=error["message"], param=error["param"])
+                              message=error["message"], param=error["param"], error=error)
+
+
+def websocket_error_event(body: dict[str, Any], status: int) -> WebSocketErrorEvent:
+    """The ``error`` message that answers a WebSocket ``response.create`` refused before its stream began."""
+    return WebSocketErrorEvent(type="error", status=status, error=error_body(body, status)["error"])
+
+
+# ---- /v1/responses/compact's answer ----
+
+class InputTextPart(TypedDict):
+    type: Literal["input_text"]
+    text: str
+
+
+class UserMessage(TypedDict):
+    """A user message of the compacted conversation, kept as it was."""
+
+    type: Literal["message"]
+    id: str
+    status: Literal["completed"]
+    role: Literal["user"]
+    content: list[InputTextPart]
+
+
+class CompactionItem(TypedDict):
+    """The summary of the compacted turns. OpenAI encrypts it; LSE keeps the model's summary as plain text."""
+
+    type: Literal["compaction"]
+    id: str
+    encrypted_content: str
+
+
+class Compaction(Closing):
+    """/v1/responses/compact's answer: ``output`` is the next request's input in place of the conversation."""
+
+    id: str
+    object: Literal["response.compaction"]
+    created_at: int
+    output: list[Annotated[UserMessage | CompactionItem, Field(discriminator="type")]]
+    usage: ResponseUsage
+    stop_reason: StopReason
+
+
+class CompactTranslation:
+    """The summary's reply as the compacted output: the conversation's user messages, then the summary."""
+
+    stream = False
+
+    def __init__(self, kept: list[UserMessage]) -> None:
+        self.kept = kept
+        self.started = False
+        self.summary: list[str] = []
+
+    def feed(self, delta: CoreDelta, prompt_tokens: int = 0) -> list[ResponseStreamEvent]:
+        self.started = True
+        self.summary.append(delta.content)     # a thinking model's reasoning is not part of the summary
+        return []
+
+    def finish(self, end: CoreEnd) -> tuple[list[ResponseStreamEvent], Compaction]:
+        summary = CompactionItem(type="compaction", id=_id("cmp"), encrypted_content="".join(self.summary).strip())
+        return [], Compaction(id=_id("resp"), object="response.compaction", created_at=int(time.time()),
+                              output=[*self.kept, summary], usage=_usage(end), stop_reason=end.stop_reason, **end.lse)
+
+    def stream_error(self, body: dict[str, Any], status: int) -> ResponseErrorEvent:
+        return stream_error_event(body, status, 0)
