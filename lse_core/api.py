@@ -173,6 +173,7 @@ def lse_open(config: LSEConfig | dict[str, Any] | None = None) -> LSE | None:
 
 def lse_close(lse: LSE) -> None:
     lse.engine.close()
+    lse.grammars.close()
     for device in lse.devices:
         device.close()
 
@@ -432,7 +433,8 @@ def _constraint(lse: LSE, req: protocol.GenerationRequest, tool_parser: ToolCall
         if forced and req.tools:
             raise invalid_request(f"tool_choice and {req.constraint.param.split('.')[0]} both constrain the reply; "
                                   "send one", "invalid_value", "tool_choice")
-        return constraint(structured.constraint_grammar(req.constraint), req.constraint.param, req.constraint.param)
+        return constraint(structured.constraint_grammar(req.constraint, grammars), req.constraint.param,
+                          req.constraint.param)
     syntax = None
     if tool_parser is not None and tool_parser.format.body is None:   # calls between tokens: as the template writes one
         syntax = lse.call_syntax
@@ -452,11 +454,11 @@ def _constraint(lse: LSE, req: protocol.GenerationRequest, tool_parser: ToolCall
         return constraint(grammar, "tools", "tool_choice")
     if call_format.whole_reply:   # the reply is a call or text from its first character: nothing to wait for
         return None
-    grammar = structured.tool_call_grammar(call_format, req.tools, None, req.parallel_tool_calls,
-                                           grammars, lazy=True, syntax=syntax)
     try:
+        grammar = structured.tool_call_grammar(call_format, req.tools, None, req.parallel_tool_calls,
+                                               grammars, lazy=True, syntax=syntax)
         matcher = grammars.matcher(grammar, "tools")
-    except LSEError as e:   # a schema llguidance cannot enforce: the calls stay free, as without a grammar
+    except LSEError as e:   # a schema LSE or llguidance cannot enforce: the calls stay free, as without a grammar
         log.warning("lse: tool calls are not constrained: %s", e)
         return None
     return structured.Constraint(grammars, matcher, "a tool call", trigger=call_format.open_marker,

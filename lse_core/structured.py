@@ -2,8 +2,11 @@
 matcher, and each step's allowed tokens a bitmask that the ``mask`` sampling op of every device applies.
 
   OutputConstraint (lse_core.protocol)   what the request asked: a JSON schema, regex, choice, Lark or GBNF
+  check_schema and the other bounds       what may reach llguidance at all (its compile recurses: a deep schema
+                                          or a long chain of rules overflows the stack)
   tool_call_grammar                       enforced tool calls, in the call syntax the model's template shows
-  GrammarTokenizer                        the model's vocabulary as llguidance sees it, one per engine
+  GrammarTokenizer                        the model's vocabulary as llguidance sees it, one per engine; its
+                                          matchers are proven in the compile worker first (grammar_check)
   with_reasoning                          a grammar that leaves the reasoning block free and constrains the answer
   Constraint                              one sequence's matcher: from the reply's start, or lazily from a tool
                                           call's opening marker; and when the reply ends
@@ -15,20 +18,34 @@ same token are fed to it too, so its state is the text the client sees.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import math
+import re
 import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeVar
 
 import llguidance
 import llguidance.numpy as llnp
 import numpy as np
-from llguidance.gbnf_to_lark import any_to_lark
+from llguidance.gbnf_to_lark import is_lark_syntax
 
-from lse_core.errors import invalid_request
+from lse_core.errors import invalid_request, server_error
+from lse_core.grammar_check import (
+    ENGINE_STACK_BYTES,
+    GrammarChecker,
+    GrammarRefused,
+    Vocabulary,
+    WorkerUnavailable,
+    compile_matcher,
+    one_line,
+)
 from lse_core.graph.ir import SamplingBatch
 from lse_core.protocol import OutputConstraint
 from lse_core.tools import ToolCallFormat
@@ -38,6 +55,19 @@ from lse_core.tools import ToolCallFormat
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json_object", "json_schema", "regex", "choice", "lark", "gbnf")
 _ENGINE = f"llguidance {importlib.metadata.version('llguidance')}"   # read once: it reads the package metadata
+# What may reach llguidance, far above what real requests send (OpenAI's structured outputs allow 5,000
+# properties, 10 levels of nesting, 1,000 enum values) and far below what overflows its compile's stack (a
+# chain of 600 $defs or 2,500 rules on 8 MiB; the engine compiles on ENGINE_STACK_BYTES).
+MAX_SCHEMA_BYTES = 512 << 10       # a 5,000-property schema is 190 KiB
+MAX_SCHEMA_DEPTH = 128             # llguidance's JSON reader nests 128 levels; LSE counts through $ref too
+MAX_GRAMMAR_BYTES = 256 << 10
+MAX_GRAMMAR_RULES = 1000           # GBNF's conversion to Lark takes 0.6 s at 1,000 chained rules
+MAX_CHOICES = 5000                 # llguidance compiles 5,000 in 0.1 s; 100,000 make it panic after 20 s
+MAX_CHOICE_BYTES = 256 << 10
+MAX_PATTERN_CHARS = 16 << 10
+COMPILED_GRAMMARS = 64             # matchers kept compiled (and refusals remembered), by grammar hash
+_RULE = re.compile(r"^[ \t]*[?!]?[\w.-]+(\[[^\]\n]*\])?[ \t]*(::=|:)", re.MULTILINE)   # Lark's and GBNF's
+_T = TypeVar("_T")
 
 
 def supported() -> dict[str, Any]:
@@ -47,24 +77,103 @@ def supported() -> dict[str, Any]:
             "tool_choice": ["auto", "none", "required", "function"]}
 
 
-def constraint_grammar(constraint: OutputConstraint) -> str:
-    """The llguidance grammar of a request's constraint (checked when its matcher is built)."""
-    value = constraint.value
+def constraint_grammar(constraint: OutputConstraint, vocab: GrammarTokenizer) -> str:
+    """The llguidance grammar of a request's constraint, within LSE's bounds (checked when its matcher is
+    built). A GBNF grammar is converted to Lark in the compile worker."""
+    value, param = constraint.value, constraint.param
     match constraint.kind:
         case "json_schema":
+            check_schema(value, param)
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
             except ValueError as e:
-                raise invalid_request(f"{constraint.param}: {e}", "invalid_value", constraint.param) from None
+                raise invalid_request(one_line(str(e)), "invalid_value", param) from None
         case "regex":
+            _refuse_over(len(value), MAX_PATTERN_CHARS, "the pattern has {} characters", param)
             return llguidance.LLMatcher.grammar_from_regex(value)
         case "choice":
+            _refuse_over(len(value), MAX_CHOICES, "{} choices are offered", param)
+            _refuse_over(sum(len(c.encode()) for c in value), MAX_CHOICE_BYTES, "the choices have {} bytes", param)
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_string(c) for c in value))
-        case _:   # lark or gbnf: llguidance tells them apart and converts GBNF
-            try:
-                return llguidance.LLMatcher.grammar_from_lark(any_to_lark(value))
-            except Exception as e:   # the converter's own errors have several types
-                raise invalid_request(f"{constraint.param}: {e}", "invalid_value", constraint.param) from None
+        case _:   # lark or gbnf: llguidance tells them apart
+            _refuse_over(len(value.encode()), MAX_GRAMMAR_BYTES, "the grammar has {} bytes", param)
+            _refuse_over(len(_RULE.findall(value)), MAX_GRAMMAR_RULES, "the grammar has {} rules", param)
+            return llguidance.LLMatcher.grammar_from_lark(vocab.lark(value, param))
+
+
+def check_schema(schema: Any, param: str) -> None:
+    """Refuse (400 naming ``param``) a JSON schema over LSE's bounds: its size, and its nesting counted through
+    $ref, which is what llguidance's compile recurses over."""
+    _refuse_over(len(json.dumps(schema)), MAX_SCHEMA_BYTES, "the JSON schema has {} bytes", param)
+    if _SchemaDepth(schema, MAX_SCHEMA_DEPTH).exceeded():
+        raise invalid_request(f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} levels deep, counting through "
+                              "$ref; LSE compiles no deeper", "invalid_value", param)
+
+
+def _refuse_over(amount: int, limit: int, what: str, param: str) -> None:
+    """400 naming ``param`` when ``amount`` is over ``limit``; ``what`` says what was counted ({} the amount)."""
+    if amount > limit:
+        raise invalid_request(f"{what.format(amount)}; LSE compiles at most {limit}", "invalid_value", param)
+
+
+class _SchemaDepth:
+    """The deepest nesting of objects and arrays in a schema, where a $ref into the schema ("#/$defs/x")
+    nests its target. A ref met again below itself (a recursive schema) adds nothing; each target's height is
+    measured once, so the walk is linear in the schema."""
+
+    def __init__(self, root: Any, limit: int) -> None:
+        self.root = root
+        self.limit = limit
+        self.heights: dict[str, int] = {}
+        self.open: set[str] = set()
+
+    def exceeded(self) -> bool:
+        try:
+            return self._height(self.root, 0) > self.limit
+        except _TooDeep:
+            return True
+
+    def _height(self, node: Any, level: int) -> int:
+        if level > self.limit:   # the path so far is too deep: no need to go on (nor to recurse without end)
+            raise _TooDeep
+        if isinstance(node, list):
+            return 1 + max((self._height(item, level + 1) for item in node), default=0)
+        if not isinstance(node, dict):
+            return 0
+        below = max((self._height(value, level + 1) for value in node.values()), default=0)
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            below = max(below, self._ref_height(ref, level + 1))
+        return 1 + below
+
+    def _ref_height(self, ref: str, level: int) -> int:
+        if ref in self.open:
+            return 0
+        if ref not in self.heights:
+            self.open.add(ref)
+            self.heights[ref] = self._height(_pointed(self.root, ref), level)
+            self.open.discard(ref)
+        if level + self.heights[ref] > self.limit:
+            raise _TooDeep
+        return self.heights[ref]
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def _pointed(root: Any, ref: str) -> Any:
+    """What a local JSON pointer ("#/$defs/item") names in ``root``; None when it names nothing."""
+    node = root
+    for part in ref[1:].split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def tool_call_grammar(call_format: ToolCallFormat, tools: list[dict[str, Any]], name: str | None, parallel: bool,
@@ -72,8 +181,12 @@ def tool_call_grammar(call_format: ToolCallFormat, tools: list[dict[str, Any]], 
     """A grammar of the calls the reply must make: to ``name``, or to any offered tool when None; several
     when ``parallel``. ``lazy``: the grammar of what follows the opening marker (the reply chose to call).
     ``syntax``: for calls written between tokens, the text before a call's name, between it and the JSON
-    arguments, and after them (lse_core.tools.call_syntax). Special tokens in markers are named as tokens."""
-    offered = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    arguments, and after them (lse_core.tools.call_syntax). Special tokens in markers are named as tokens.
+    Each offered tool's parameters must be within LSE's bounds (a 400 naming them)."""
+    picked = [(i, t["function"]) for i, t in enumerate(tools) if name is None or t["function"]["name"] == name]
+    for i, function in picked:
+        check_schema(function.get("parameters") or {}, f"tools[{i}].function.parameters")
+    offered = [function for _, function in picked]
     if call_format.body == "xml":
         return _xml_call_grammar(call_format, offered, parallel, vocab, lazy)
     if syntax is not None:
@@ -181,7 +294,8 @@ def _lark_string(text: str) -> str:
 
 class GrammarTokenizer:
     """The model's vocabulary for llguidance, built by the first request that needs it: it reads every token
-    (0.7 s and 26 MiB for SmolLM2's 49k), which an engine that never constrains a reply should not pay."""
+    (0.7 s and 26 MiB for SmolLM2's 49k), which an engine that never constrains a reply should not pay. Its
+    matchers come from grammars the compile worker proved first, compiled once and copied for each request."""
 
     def __init__(self, tokenizer: Any, logits_width: int) -> None:
         self.tokenizer = tokenizer
@@ -189,14 +303,24 @@ class GrammarTokenizer:
         self._n_vocab = max(logits_width, tokenizer.vocab_size)
         self._lock = threading.Lock()
         self._built: llguidance.LLTokenizer | None = None
+        self.checker = GrammarChecker(self._vocabulary)
+        self._known_lock = threading.Lock()
+        # by grammar hash: a compiled matcher, a GBNF grammar's Lark, or a lasting refusal's reason
+        self._known: OrderedDict[str, llguidance.LLMatcher | str | GrammarRefused] = OrderedDict()
+
+    def _vocabulary(self) -> Vocabulary:
+        return Vocabulary(self.tokenizer.backend.to_str(), self._n_vocab, list(self.tokenizer.eos_ids))
 
     @property
     def lltokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._built is None:
-                self._built = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self._n_vocab,
-                                                     eos_token=list(self.tokenizer.eos_ids))
+                self._built = self._vocabulary().lltokenizer()
             return self._built
+
+    def close(self) -> None:
+        """Stop the compile worker (the engine is closing)."""
+        self.checker.close()
 
     def special_id(self, text: str) -> int | None:
         """The id of the special token spelled ``text``, if the vocabulary has one."""
@@ -225,11 +349,65 @@ class GrammarTokenizer:
         return " ".join(items + ([_lark_string(plain)] if plain else []))
 
     def matcher(self, grammar: str, param: str) -> llguidance.LLMatcher:
-        """A matcher for the grammar; a grammar llguidance rejects is a 400 naming ``param``."""
-        matcher = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
+        """A matcher for the grammar; a grammar refused (llguidance's error, or one that crashed or outlasted
+        the compile worker) is a 400 naming ``param``."""
+        with _refusals(param):
+            template = self._known_or(f"grammar {_digest(grammar)}", lambda: self._compile(grammar))
+        with self._known_lock:   # one copy at a time of a template other requests share
+            return template.deep_copy()
+
+    def lark(self, text: str, param: str) -> str:
+        """A Lark or GBNF grammar as Lark (GBNF converted in the compile worker); 400 naming ``param``."""
+        if is_lark_syntax(text):
+            return text
+        with _refusals(param):
+            return self._known_or(f"gbnf {_digest(text)}", lambda: self.checker.gbnf_to_lark(text))
+
+    def _compile(self, grammar: str) -> llguidance.LLMatcher:
+        if self._built is None:   # the first compile: build this vocabulary while the worker builds its own
+            threading.Thread(target=lambda: self.lltokenizer, name="lse-grammar-vocabulary", daemon=True).start()
+        self.checker.prove(grammar)
+        matcher = compile_matcher(self.lltokenizer, grammar, ENGINE_STACK_BYTES)
         if matcher.is_error():
-            raise invalid_request(f"{param}: {matcher.get_error()}", "invalid_value", param)
+            raise GrammarRefused(one_line(matcher.get_error()))
         return matcher
+
+    def _known_or(self, key: str, make: Callable[[], _T]) -> _T:
+        """What the cache holds for ``key``, else ``make()`` kept there; a refusal raises GrammarRefused."""
+        with self._known_lock:
+            known = self._known.get(key)
+            if known is not None:
+                self._known.move_to_end(key)
+        if known is None:
+            try:
+                known = make()
+            except GrammarRefused as e:
+                if not e.lasting:
+                    raise
+                known = e
+            with self._known_lock:
+                self._known[key] = known
+                while len(self._known) > COMPILED_GRAMMARS:
+                    self._known.popitem(last=False)
+        if isinstance(known, GrammarRefused):
+            raise GrammarRefused(known.reason)
+        return known
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@contextmanager
+def _refusals(param: str) -> Iterator[None]:
+    """The compile worker's answers as errors: a refused grammar is a 400 naming ``param``; a worker that
+    cannot start is the server's fault."""
+    try:
+        yield
+    except GrammarRefused as e:
+        raise invalid_request(e.reason, "invalid_value", param) from None
+    except WorkerUnavailable as e:
+        raise server_error(str(e)) from None
 
 
 class Constraint:
