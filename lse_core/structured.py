@@ -303,19 +303,20 @@ class GrammarTokenizer:
         self._n_vocab = max(logits_width, tokenizer.vocab_size)
         self._lock = threading.Lock()
         self._built: llguidance.LLTokenizer | None = None
-        self.checker = GrammarChecker(self._vocabulary)
+        self.checker = GrammarChecker(self.vocabulary)
         self._known_lock = threading.Lock()
         # by grammar hash: a compiled matcher, a GBNF grammar's Lark, or a lasting refusal's reason
         self._known: OrderedDict[str, llguidance.LLMatcher | str | GrammarRefused] = OrderedDict()
 
-    def _vocabulary(self) -> Vocabulary:
+    def vocabulary(self) -> Vocabulary:
+        """What llguidance's tokenizer is built from, here and in the compile worker."""
         return Vocabulary(self.tokenizer.backend.to_str(), self._n_vocab, list(self.tokenizer.eos_ids))
 
     @property
     def lltokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._built is None:
-                self._built = self._vocabulary().lltokenizer()
+                self._built = self.vocabulary().lltokenizer()
             return self._built
 
     def close(self) -> None:

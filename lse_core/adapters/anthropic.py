@@ -35,7 +35,9 @@ from lse_core.protocol import Closing, StopReason
 
 # Chat fields as a Messages body names them, for the core's errors.
 PARAMS = {"stop": "stop_sequences", "stop[": "stop_sequences[", "reasoning_effort": "output_config.effort",
-          "response_format": "output_config.format", "thinking_budget": "thinking.budget_tokens"}
+          "response_format": "output_config.format", "thinking_budget": "thinking.budget_tokens",
+          "response_format.json_schema.schema": "output_config.format.schema",
+          "tools[*].function.parameters": "tools[*].input_schema"}
 MessageStopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded"]
 STOP_REASONS: dict[str, MessageStopReason | None] = {
     "stop_token": "end_turn", "stop_sequence": "stop_sequence", "max_tokens": "max_tokens",

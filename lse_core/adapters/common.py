@@ -102,9 +102,13 @@ def _path(loc: tuple[int | str, ...], body: Any, missing: bool) -> str:
 
 def renamed_param(body: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
     """An error body whose param names a chat field (max_tokens, messages), named as the adapter's body
-    names it. A name ending in "[" renames a prefix: the indices after it mean the same in both bodies."""
+    names it. A name ending in "[" renames a prefix: the indices after it mean the same in both bodies. "[*]"
+    in a name stands for any index, kept in the new name ("tools[*].function.parameters": "tools[*].parameters")."""
     param = body["error"].get("param") or ""
     for old, new in names.items():
+        index = re.fullmatch(re.escape(old).replace(r"\[\*\]", r"(\[\d+\])"), param) if "[*]" in old else None
+        if index is not None:
+            return {"error": body["error"] | {"param": new.replace("[*]", index[1])}}
         if param == old or (old.endswith("[") and param.startswith(old)):
             return {"error": body["error"] | {"param": new + param[len(old):]}}
     return body

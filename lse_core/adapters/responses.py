@@ -43,7 +43,9 @@ from lse_core.sampling import GenerationDefaults, resolve_sampling
 STORED_RESPONSES = 256   # conversations kept for previous_response_id; the oldest goes first
 # Chat fields as a Responses body names them, for the core's errors. The operator's cap (--max-tokens) keeps
 # the name max_tokens, as the spec says of every API.
-PARAMS = {"messages": "input", "response_format": "text.format"}
+PARAMS = {"messages": "input", "response_format": "text.format",
+          "response_format.json_schema.schema": "text.format.schema",
+          "tools[*].function.parameters": "tools[*].parameters"}
 # What /v1/responses/compact asks the model, after the conversation: its answer is the compaction item.
 COMPACT_INSTRUCTION = ("Summarize the conversation so far, to continue it without the earlier messages: the user's "
                        "goals, the facts found, the decisions made and the open tasks. Write only the summary.")
