@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -100,9 +101,13 @@ class Engine:
                 batch = self.scheduler.schedule()
             if not batch:
                 continue
+            starts = [seq.computed for seq, _ in batch]
+            began = time.perf_counter()
             self.runner.run(batch)
+            seconds = time.perf_counter() - began
             self.steps += 1
             with self._cond:
+                self.scheduler.observe(batch, starts, seconds)
                 for seq, _ in batch:
                     if seq.finished:
                         self.scheduler.release(seq)
