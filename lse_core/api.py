@@ -629,7 +629,9 @@ def _placement_json(placement: Placement) -> GroupPlacement:
 
 ADAPTERS: dict[str, tuple[Callable[[LSE, Any], tuple[dict[str, Any], Translation]],
                           Callable[[dict[str, Any], int], dict[str, Any]]]] = {
-    "responses": (lambda lse, body: responses.start(body, lse.responses, lse.model_id), responses.error_body),
+    "responses": (lambda lse, body: responses.start(body, lse.responses, lse.model_id, lse.defaults),
+                  responses.error_body),
+    "responses_compact": (lambda lse, body: responses.compact(body, lse.responses), responses.error_body),
     "messages": (lambda lse, body: anthropic.start(body, lse.model_id), anthropic.error_body),
 }
 

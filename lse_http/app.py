@@ -33,11 +33,13 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response, StreamingResponse
-from starlette.routing import Mount, Route
+from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from lse_core import api
+from lse_core.adapters import responses as responses_api
 from lse_core.errors import LSEError, invalid_request, server_error
 from lse_core.model_set import Lease, ModelSet, requested_model
 from lse_core.protocol import detokenized, health_body, parse_detokenize
@@ -94,6 +96,8 @@ def create_app(models: ModelSet, *, api_key: str | None = None,
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        WebSocketRoute("/v1/responses", responses_socket),
+        Route("/v1/responses/compact", compact_responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
@@ -118,6 +122,7 @@ def create_app(models: ModelSet, *, api_key: str | None = None,
     app.state.max_body_bytes = max_body_bytes
     app.state.running = RunningRequests()
     app.state.stall_timeout = stall_timeout
+    app.state.cors_origins = cors_origins or []   # the pages that may also open the Responses WebSocket
     # the last added runs first: the Host check, then CORS (a preflight carries no API key), then the key
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -141,6 +146,10 @@ async def completions(request: Request) -> Response:
 
 async def responses(request: Request) -> Response:
     return await _complete(request, functools.partial(api.lse_api_request, api="responses"), typed=True)
+
+
+async def compact_responses(request: Request) -> Response:
+    return await _complete(request, functools.partial(api.lse_api_request, api="responses_compact"))
 
 
 async def stored_response(request: Request) -> Response:
@@ -341,6 +350,106 @@ def _api_of(path: str) -> str:
     if path.startswith("/v1/messages"):
         return "messages"
     return "responses" if path.startswith("/v1/responses") else "chat"
+
+
+# ---- the Responses API over a WebSocket ----
+
+async def responses_socket(websocket: WebSocket) -> None:
+    """The Responses API's WebSocket mode: each ``response.create`` message (a /v1/responses body with its
+    ``type``, without ``stream`` or ``background``) runs one response, whose stream events come back as messages,
+    as SSE would carry them; the next message waits for it. A message refused before its response's first event
+    is answered with an ``error`` message carrying its HTTP status, and the connection stays open. Closing the
+    connection cancels the response running."""
+    if not _origin_allowed(websocket):
+        error = LSEError(f"a page from {websocket.headers['origin']!r:.200} may not open this WebSocket; start "
+                         "lse-server with --cors-origins to allow it", status=403, type="permission_error",
+                         code="origin_not_allowed")
+        await websocket.send_denial_response(_error(websocket.url.path, error))
+        return
+    await websocket.accept()
+    messages: asyncio.Queue[str | None] = asyncio.Queue()
+    closed = asyncio.Event()
+    reader = asyncio.ensure_future(_read_messages(websocket, messages, closed))
+    try:
+        while not closed.is_set() and (message := await messages.get()) is not None:
+            try:
+                await _socket_response(websocket, message, closed)
+            except LSEError as e:
+                await _send(websocket, responses_api.websocket_error_event(e.body(), e.status))
+    except WebSocketDisconnect:   # it closed while a message was on its way
+        pass
+    finally:
+        reader.cancel()
+
+
+def _origin_allowed(websocket: WebSocket) -> bool:
+    """Browsers let a page of any site open a WebSocket to the server (CORS does not apply), and say which site
+    in ``Origin``: the server's own pages (the Origin's host is the Host) and --cors-origins' may. Clients that
+    are not browsers send no Origin."""
+    origin = websocket.headers.get("origin")
+    return (origin is None or origin in websocket.app.state.cors_origins
+            or origin.partition("://")[2].lower() == websocket.headers.get("host", "").lower())
+
+
+async def _read_messages(websocket: WebSocket, messages: asyncio.Queue[str | None], closed: asyncio.Event) -> None:
+    """Each message the client sends as text, then None, and ``closed`` set, once it closes the connection."""
+    try:
+        while (message := await websocket.receive())["type"] != "websocket.disconnect":
+            text = message.get("text")
+            messages.put_nowait(text if text is not None else message.get("bytes", b"").decode(errors="replace"))
+    finally:
+        closed.set()
+        messages.put_nowait(None)
+
+
+async def _socket_response(websocket: WebSocket, message: str, closed: asyncio.Event) -> None:
+    """Run one ``response.create`` message and send its events; raises LSEError when it is refused. A client
+    that reads nothing for the stall timeout has its response ended and ``closed`` set: the handler returns, and
+    the server closes the connection."""
+    limit = websocket.app.state.max_body_bytes
+    if len(message.encode()) > limit:
+        raise _too_large(limit)
+    body = responses_api.websocket_body(message)
+    lease = await _lease(websocket, body)
+    loop = asyncio.get_running_loop()
+    events = StreamEvents(websocket.app.state.stall_timeout)
+    try:
+        handle = await run_in_threadpool(api.lse_api_request, lease.lse, body, lease.until_end(
+            lambda event: loop.call_soon_threadsafe(events.put, event)), "responses")
+    except BaseException:
+        lease.release()
+        raise
+    events.handle = handle
+    running: RunningRequests = websocket.app.state.running
+    running.add(handle)
+    try:
+        with anyio.CancelScope() as stalled:
+            events.on_stall = stalled.cancel   # a client that reads nothing: stop sending, and close
+            while (event := await _event_unless_closed(events, closed)) is not None:
+                if event.kind == api.EVENT_ERROR and "type" not in event.data:   # refused before its stream
+                    await _send(websocket, responses_api.websocket_error_event(event.data, event.status))
+                    return
+                for data in event.data if event.kind == api.EVENT_END else [event.data]:
+                    await _send(websocket, data)
+                if event.kind != api.EVENT_TOKEN:
+                    return
+        closed.set()
+    finally:
+        handle.cancel()
+        running.discard(handle)
+
+
+async def _event_unless_closed(events: StreamEvents, closed: asyncio.Event) -> api.Event | None:
+    """The next event, or None once the connection is closed."""
+    next_event, gone = asyncio.ensure_future(events.get()), asyncio.ensure_future(closed.wait())
+    done, _ = await asyncio.wait((next_event, gone), return_when=asyncio.FIRST_COMPLETED)
+    for task in (next_event, gone):
+        task.cancel()
+    return next_event.result() if next_event in done else None
+
+
+async def _send(websocket: WebSocket, data: dict[str, Any]) -> None:
+    await websocket.send_text(_dumps(data).decode())
 
 
 # ---- models, status, health ----
@@ -552,7 +661,7 @@ class APIKeyMiddleware:
         self.expected = {"authorization": f"Bearer {api_key}".encode(), "x-api-key": api_key.encode()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not _open(scope["path"]):
+        if scope["type"] in ("http", "websocket") and not _open(scope["path"]):   # a refused WebSocket gets the 401
             headers = Headers(scope=scope)
             name = "authorization" if "authorization" in headers else "x-api-key"
             given = headers.get(name, "").encode()

@@ -60,7 +60,7 @@ class HostCheckMiddleware:
         self.render_error = render_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] in ("http", "websocket"):   # a refused WebSocket handshake gets the 403
             host = host_name(Headers(scope=scope).get("host", ""))
             if host not in self.hosts:
                 error = LSEError(f"the Host header names {host or 'no host'!r}, which this server does not answer "

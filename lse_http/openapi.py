@@ -20,7 +20,7 @@ from lse_core.adapters import anthropic, responses
 from lse_core.adapters.anthropic import CountTokensRequest, MessagesRequest
 from lse_core.adapters.common import TOKEN_ID_MARK, WIDTH_MARK
 from lse_core.adapters.openai import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeBody
-from lse_core.adapters.responses import ResponsesRequest
+from lse_core.adapters.responses import CompactRequest, ResponsesRequest
 from lse_core.embeddings import EmbeddingList, EmbeddingsRequest
 from lse_core.errors import Error
 from lse_core.fallback import CPUFallback
@@ -60,15 +60,15 @@ REPLY_TYPES = (protocol.Usage, protocol.Timings, protocol.LSEWarning, LSEContext
                protocol.Content, Error, protocol.Model, protocol.ModelList, protocol.TokenCount,
                protocol.Health, EmbeddingList, CPUFallback, protocol.ChatCompletion, protocol.ChatCompletionChunk,
                protocol.TextCompletion, protocol.TextCompletionChunk, responses.Response, responses.ResponseStreamEvent,
-               responses.DeletedResponse, anthropic.Message, anthropic.MessageStreamEvent, anthropic.AnthropicError,
-               Thinking, GenerationDefaults, api.Device, api.ModelInfo, model_set.Status)
+               responses.DeletedResponse, responses.Compaction, anthropic.Message, anthropic.MessageStreamEvent,
+               anthropic.AnthropicError, Thinking, GenerationDefaults, api.Device, api.ModelInfo, model_set.Status)
 
 
 def model_schemas() -> dict[str, Any]:
     """Every request body as the pydantic model that checks it declares it, and the replies and reply parts
     built from pydantic types (REPLY_TYPES) as they serialize."""
     requests = (ChatCompletionRequest, CompletionRequest, TokenizeBody, DetokenizeRequest, ResponsesRequest,
-                MessagesRequest, CountTokensRequest, EmbeddingsRequest)
+                CompactRequest, MessagesRequest, CountTokensRequest, EmbeddingsRequest)
     inputs = [(m, "validation", TypeAdapter(m)) for m in requests] + [
         (m, "serialization", TypeAdapter(m)) for m in REPLY_TYPES]   # TypeAdapter: TypedDicts as well as models
     _, schema = TypeAdapter.json_schemas(inputs, ref_template="#/components/schemas/{model}")
@@ -163,6 +163,8 @@ OPENAPI: dict[str, Any] = {
                                            "TextCompletionChunk"),
         "/v1/responses": typed_stream_path("OpenAI Responses", "ResponsesRequest", "Response",
                                            "ResponseStreamEvent"),
+        "/v1/responses/compact": post("Compact a conversation: its user messages and the model's summary of it, "
+                                      "the next request's input", "CompactRequest", "Compaction"),
         "/v1/responses/{response_id}": {
             **get("A stored response (made with store, among the last 256)", "Response", 404),
             "delete": {"summary": "Forget a stored response", "responses": {

@@ -348,6 +348,7 @@ def test_compact_summarises_the_conversation(client: openai.OpenAI, http: httpx.
                                                      input="And of Germany?", extra_body={"top_k": 1})   # greedy
     compacted, compacted_json = raw.parse(), json.loads(raw.text)
     open_responses_validate(compacted_json, schema("CompactResource"))
+    validate(compacted_json, "Compaction", http.get("/openapi.json").json())
     conversation = [HELLO[0], {"role": "assistant", "content": first.output_text},
                     {"role": "user", "content": "And of Germany?"}]
     expected = chat(http, conversation + [{"role": "user", "content": COMPACT_INSTRUCTION}], top_k=1)
