@@ -30,7 +30,7 @@ from lse_core.errors import LSEError, StartupError, invalid_request, model_not_f
 from lse_core.fallback import CPUFallback, FallbackLog
 from lse_core.graph.ir import Graph
 from lse_core.graph.plan import Placement, Plan
-from lse_core.limits import check_prompt_text, prompt_too_long, resolve_limit
+from lse_core.limits import check_prompt_text, prompt_tokens, prompt_too_long, resolve_limit
 from lse_core.model.arch import build_graph
 from lse_core.model.catalog import model_id
 from lse_core.model.default import load_model
@@ -365,18 +365,20 @@ def _prompt(lse: LSE, req: protocol.GenerationRequest, level: Level | None, add_
             raise invalid_request("this model has no chat template; send a plain prompt to /v1/completions",
                                   "no_chat_template", "messages")
         # every template writes every message's text: refuse before rendering
-        check_prompt_text(sum(len(m["content"]) for m in req.messages if isinstance(m.get("content"), str)),
-                          longest, lse.context_length, req.prompt_param)
+        contents = "\n".join(m["content"] for m in req.messages if isinstance(m.get("content"), str))
+        check_prompt_text(contents, tokenizer, lse.context_length, req.prompt_param)
         try:
             text = lse.template.render(req.messages, add_generation_prompt=add_generation_prompt, tools=req.tools,
                                        max_chars=longest, **template_variables(level, req.body))
-        except RenderTooLong:
-            raise prompt_too_long(longest, lse.context_length, req.prompt_param) from None
-        check_prompt_text(len(text.encode()), longest, lse.context_length, req.prompt_param)
+        except RenderTooLong:   # the template writes more than the messages' text: at least that is counted
+            raise prompt_too_long(prompt_tokens(contents, tokenizer, longest), longest, lse.context_length,
+                                  req.prompt_param) from None
+        check_prompt_text(text, tokenizer, lse.context_length, req.prompt_param, add_special=bool(add_special))
         return text, tokenizer.encode(text, add_special_tokens=bool(add_special))
     if isinstance(req.prompt, str):
-        check_prompt_text(len(req.prompt.encode()), longest, lse.context_length, req.prompt_param)
-        return req.prompt, tokenizer.encode(req.prompt, add_special_tokens=add_special is not False)
+        add_special = add_special is not False
+        check_prompt_text(req.prompt, tokenizer, lse.context_length, req.prompt_param, add_special)
+        return req.prompt, tokenizer.encode(req.prompt, add_special_tokens=add_special)
     bad = next((i for i, t in enumerate(req.prompt) if t >= tokenizer.vocab_size), None)
     if bad is not None:
         raise invalid_request(f"token {req.prompt[bad]} is outside the vocabulary (size "
@@ -390,8 +392,7 @@ def lse_tokenize(lse: LSE, body: Any) -> dict[str, Any]:
     tokenize = protocol.parse_tokenize(body)
     tokenizer = lse.model.tokenizer
     if tokenize.request is None:
-        check_prompt_text(len(tokenize.content.encode()), tokenizer.longest_text(lse.context_length),
-                          lse.context_length, "content")
+        check_prompt_text(tokenize.content, tokenizer, lse.context_length, "content", bool(tokenize.add_special))
         ids = tokenizer.encode(tokenize.content, add_special_tokens=bool(tokenize.add_special))
     else:
         req = tokenize.request

@@ -91,11 +91,10 @@ def prompts(req: EmbeddingsRequest, model: Model, context_length: int) -> list[l
     single = isinstance(inputs, str) or isinstance(inputs[0], int)
     items = [inputs] if single else inputs
     result = []
-    longest = tokenizer.longest_text(context_length)
     for i, item in enumerate(items):
         param = "input" if single else f"input[{i}]"
         if isinstance(item, str):
-            check_prompt_text(len(item.encode()), longest, context_length, param)
+            check_prompt_text(item, tokenizer, context_length, param, add_special=True)
         ids = tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else list(item)
         if not ids:
             raise invalid_request(f"{param} is empty", "invalid_value", param)

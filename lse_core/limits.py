@@ -8,6 +8,7 @@ reply for all but the request's own limit. The context always bounds prompt + re
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from pydantic import TypeAdapter, computed_field
@@ -15,7 +16,11 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from lse_core.adapters.common import REPLY_PART, Count
 from lse_core.errors import LSEError, invalid_request
+from lse_core.model.tokenizer import Tokenizer
 from lse_core.sampling import GenerationDefaults
+
+SAMPLE_WINDOWS = 8     # the pieces of a prompt too long to tokenize whole that its size is read off
+_SPACE = re.compile(r"\s")
 
 
 @dataclass(frozen=True)
@@ -60,18 +65,46 @@ def check_prompt(prompt_tokens: int, context_length: int, param: str) -> None:
             "context_full", param, lse_context=lse_context(prompt_tokens, context_length))
 
 
-def check_prompt_text(length: int, longest: int, context_length: int, param: str) -> None:
-    """Refuse (400 context_full) a prompt of ``length`` bytes or characters, before it is tokenized, when
-    even its fewest possible tokens cannot fit: ``longest`` is the most a prompt that fits can have."""
-    if length > longest:
-        raise prompt_too_long(longest, context_length, param)
+def check_prompt_text(text: str, tokenizer: Tokenizer, context_length: int, param: str,
+                      add_special: bool = False) -> None:
+    """Refuse (400 context_full) a prompt ``text`` whose UTF-8 bytes are more than any prompt that fits the
+    context can have, before it is tokenized whole: tokenizing megabytes takes seconds. Its lse_context still
+    reports the prompt's size: prompt_tokens counts it, with the tokenizer's special tokens when ``add_special``
+    (a completion's prompt; a chat's messages are counted without their template's few)."""
+    longest = tokenizer.longest_text(context_length)
+    if len(text.encode()) > longest:
+        special = len(tokenizer.encode("", add_special_tokens=True)) if add_special else 0
+        raise prompt_too_long(prompt_tokens(text, tokenizer, longest) + special, longest, context_length, param)
 
 
-def prompt_too_long(longest: int, context_length: int, param: str) -> LSEError:
+def prompt_tokens(text: str, tokenizer: Tokenizer, budget: int) -> int:
+    """The tokens of ``text`` (no special tokens), at the cost of tokenizing at most ``budget`` characters: all
+    of them for a text that short, else SAMPLE_WINDOWS evenly spaced windows of it, each cut at whitespace, that
+    hold ``budget`` characters together, their tokens per character times the text's characters."""
+    if len(text) <= budget:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+    width = max(budget // SAMPLE_WINDOWS, 1)
+    step = (len(text) - width) // (SAMPLE_WINDOWS - 1)
+    starts = [_space_at(text, i * step) for i in range(SAMPLE_WINDOWS)]
+    windows = [text[start:_space_at(text, start + width)] for start in starts]
+    tokens = sum(len(tokenizer.encode(window, add_special_tokens=False)) for window in windows)
+    return round(tokens * len(text) / sum(len(window) for window in windows))
+
+
+def _space_at(text: str, at: int) -> int:
+    """The first whitespace from ``at`` on, within 64 characters (so a window starts and ends between words
+    where the text has words), else ``at``."""
+    found = _SPACE.search(text, at, at + 64)
+    return found.start() if found else at
+
+
+def prompt_too_long(tokens: int, longest: int, context_length: int, param: str) -> LSEError:
+    """The context_full error of a prompt over ``longest`` bytes, refused before it was tokenized whole; ``tokens``
+    is its size as prompt_tokens counts it (lse_context reports no fewer than the context holds: it never fits)."""
     return invalid_request(
-        f"the prompt is over {longest} bytes, more than any prompt that fits the context of {context_length} "
-        "tokens; compact or shorten the conversation",
-        "context_full", param, lse_context=lse_context(context_length, context_length))
+        f"the prompt is over {longest} bytes (about {tokens} tokens), more than any prompt that fits the context of "
+        f"{context_length} tokens; compact or shorten the conversation",
+        "context_full", param, lse_context=lse_context(max(tokens, context_length), context_length))
 
 
 def resolve_limit(max_tokens: int | None, operator_cap: int, defaults: GenerationDefaults,

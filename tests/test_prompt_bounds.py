@@ -1,6 +1,8 @@
 """A prompt that cannot fit the context is refused before it is tokenized in full, and a template's
 output is bounded by the same size, so a huge body costs neither seconds of tokenizer time nor memory
-(issue 23 item 2). benchmarks/stall.py measures what a concurrent request waits meanwhile."""
+(issue 23 item 2). benchmarks/stall.py measures what a concurrent request waits meanwhile. Its error's
+lse_context still counts the prompt's tokens (spec/API.md), read off windows of it that hold no more than the
+bound's characters together (issue 49)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 from lse_core.api import LSE, lse_close, lse_embeddings, lse_open_or_raise, lse_request_iter, lse_tokenize
 from lse_core.config import LSEConfig
 from lse_core.errors import LSEError
+from lse_core.limits import SAMPLE_WINDOWS
 
 KV_LEN = 64
 # one short message the template writes 20 000 times: a few hundred KB from a tiny body
@@ -58,11 +61,27 @@ def test_the_bound_is_the_context_times_the_longest_token(lse: LSE) -> None:
     assert tokenizer.longest_text(KV_LEN) == KV_LEN * longest * shrink
 
 
+def sampled(bound: int) -> int:
+    """The most characters the count of a refused prompt tokenizes: its windows hold the bound's characters, and
+    each may end up to 64 characters later, at a space."""
+    return bound + SAMPLE_WINDOWS * 64
+
+
+def assert_counted(error: dict, exact: int) -> None:
+    """lse_context counts the prompt, within 1% of its tokens (its size is read off a sample)."""
+    context = error["lse_context"]
+    assert abs(context["tokens_used"] - exact) <= exact // 100, (context, exact)
+    assert (context["context_length"], context["tokens_remaining"]) == (KV_LEN, 0)
+
+
 def test_a_completion_prompt_too_long_for_any_tokenization_is_not_tokenized(lse: LSE, encoded: list[int]) -> None:
     bound = lse.model.tokenizer.longest_text(KV_LEN)
-    error = error_of(lse, {"prompt": "a" * (bound + 1), "max_tokens": 2}, "completion")
+    prompt = "Paris is the capital of France. " * (4 * bound // 32)
+    error = error_of(lse, {"prompt": prompt, "max_tokens": 2}, "completion")
     assert error["code"] == "context_full" and error["param"] == "prompt"
-    assert encoded == []
+    assert sum(encoded) <= sampled(bound) < len(prompt)
+    assert_counted(error, len(lse.model.tokenizer.backend.encode(prompt).ids))   # with its special tokens
+    encoded.clear()
     error = error_of(lse, {"prompt": "a" * bound, "max_tokens": 2}, "completion")   # at the bound: tokenized
     assert error["code"] == "context_full" and encoded == [bound]
 
@@ -70,10 +89,12 @@ def test_a_completion_prompt_too_long_for_any_tokenization_is_not_tokenized(lse:
 def test_a_chat_message_too_long_is_refused_before_the_template_runs(lse: LSE, encoded: list[int], monkeypatch) -> None:
     rendered = []
     monkeypatch.setattr(lse.template, "render", lambda *a, **k: rendered.append(1))
-    huge = "word " * (lse.model.tokenizer.longest_text(KV_LEN) // 5 + 1)
+    bound = lse.model.tokenizer.longest_text(KV_LEN)
+    huge = "word " * (bound // 5 + 1)
     error = error_of(lse, {"messages": [{"role": "user", "content": huge}], "max_tokens": 2}, "chat")
     assert error["code"] == "context_full" and error["param"] == "messages"
-    assert rendered == [] and encoded == []
+    assert rendered == [] and sum(encoded) <= sampled(bound)
+    assert_counted(error, len(lse.model.tokenizer.backend.encode(huge, add_special_tokens=False).ids))
 
 
 def test_a_template_that_expands_a_message_is_stopped_at_the_bound(tiny_checkpoint, monkeypatch) -> None:
@@ -98,13 +119,16 @@ def test_a_template_that_expands_a_message_is_stopped_at_the_bound(tiny_checkpoi
 
 
 def test_tokenize_and_embeddings_are_bounded_too(lse: LSE, encoded: list[int]) -> None:
-    huge = "a" * (lse.model.tokenizer.longest_text(KV_LEN) + 1)
+    bound = lse.model.tokenizer.longest_text(KV_LEN)
+    huge = "a" * (bound + 1)
     for call, body, param in [(lse_tokenize, {"prompt": huge}, "prompt"), (lse_tokenize, {"content": huge}, "content"),
                               (lse_embeddings, {"input": ["short", huge]}, "input[1]")]:
+        encoded.clear()
         with pytest.raises(LSEError) as refused:
             call(lse, body)
         assert refused.value.code == "context_full" and refused.value.param == param
-    assert encoded == [len("short")]
+        assert sum(encoded) - len("short") * (param == "input[1]") <= sampled(bound)
+        assert refused.value.extra["lse_context"]["tokens_used"] > KV_LEN
 
 
 def test_a_prompt_that_fits_still_runs(lse: LSE) -> None:
