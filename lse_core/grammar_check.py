@@ -140,29 +140,28 @@ class GrammarChecker:
     def close(self) -> None:
         with self._lock:
             if self._worker is not None:
-                self._worker.stop()
-                self._worker = None
+                self._stop_worker()
 
     def _ask(self, message: dict[str, str]) -> dict[str, Any]:
         with self._lock:
             if self._worker is not None and self._worker.process.poll() is not None:
-                self._restart()   # it died between requests: the next grammar is not to blame
+                self._stop_worker()   # it died between requests: the next grammar is not to blame
             if self._worker is None:
                 self._worker = _Worker.start(self._vocabulary(), self.stack_bytes)
             try:
                 reply = self._worker.ask(message, self.deadline_s)
             except TimeoutError:
-                self._restart()
+                self._stop_worker()
                 raise GrammarRefused(f"llguidance did not compile it within {self.deadline_s:g} s",
                                      lasting=False) from None
             except (EOFError, OSError):
-                self._restart()
+                self._stop_worker()
                 raise GrammarRefused("llguidance's compiler crashed on it") from None
         if "error" in reply:
             raise GrammarRefused(reply["error"])
         return reply
 
-    def _restart(self) -> None:
+    def _stop_worker(self) -> None:
         """Stop the worker; the next request starts a fresh one."""
         self._worker.stop()
         self._worker = None
@@ -232,9 +231,11 @@ def _receive(fd: int, deadline: float | None) -> dict[str, Any]:
 def _read(fd: int, n: int, deadline: float | None) -> bytes:
     data = bytearray()
     while len(data) < n:
-        if deadline is not None:
+        if deadline is not None:   # poll, not select: a busy server's descriptors pass select's 1024
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            readable = select.poll()
+            readable.register(fd, select.POLLIN)
+            if left <= 0 or not readable.poll(left * 1000):
                 raise TimeoutError
         chunk = os.read(fd, n - len(data))
         if not chunk:

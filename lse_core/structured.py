@@ -57,12 +57,12 @@ KINDS = ("json_object", "json_schema", "regex", "choice", "lark", "gbnf")
 _ENGINE = f"llguidance {importlib.metadata.version('llguidance')}"   # read once: it reads the package metadata
 # What may reach llguidance, far above what real requests send (OpenAI's structured outputs allow 5,000
 # properties, 10 levels of nesting, 1,000 enum values) and far below what overflows its compile's stack (a
-# chain of 600 $defs or 2,500 rules on 8 MiB; the engine compiles on ENGINE_STACK_BYTES).
+# chain of 700 $defs or 3,000 rules on 8 MiB; the engine compiles on ENGINE_STACK_BYTES).
 MAX_SCHEMA_BYTES = 512 << 10       # a 5,000-property schema is 190 KiB
 MAX_SCHEMA_DEPTH = 128             # llguidance's JSON reader nests 128 levels; LSE counts through $ref too
 MAX_GRAMMAR_BYTES = 256 << 10
 MAX_GRAMMAR_RULES = 1000           # GBNF's conversion to Lark takes 0.6 s at 1,000 chained rules
-MAX_CHOICES = 5000                 # llguidance compiles 5,000 in 0.1 s; 100,000 make it panic after 20 s
+MAX_CHOICES = 5000                 # llguidance compiles 5,000 in 0.2 s; 100,000 make it panic after 8-50 s
 MAX_CHOICE_BYTES = 256 << 10
 MAX_PATTERN_CHARS = 16 << 10
 COMPILED_GRAMMARS = 64             # matchers kept compiled (and refusals remembered), by grammar hash
