@@ -19,17 +19,6 @@ XHIGH = ("Reasoning effort is set to xhigh. Please think carefully through the t
          "consider plausible alternatives, and prioritize correctness, consistency, and clarity in the final answer.")
 LOW = ("Reasoning effort is set to low. Keep your thinking brief and focused, moving directly to the conclusion "
        "without unnecessary elaboration.")
-# Bielik's thinking text, the five pieces its template writes after the system prompt with thinking on.
-BIELIK_THINKING = (
-    "Zanim odpowiesz na pytanie, najpierw przemyśl swoje kroki i umieść swoje myśli wewnątrz tagów "
-    "<think>...</think>. Musisz najpierw pomyśleć, zanim udzielisz odpowiedzi. "
-    "WAŻNE: Powinieneś myśleć w tym samym języku, co pytanie użytkownika. Jeśli pytanie jest zadane po polsku, "
-    "powinieneś również myśleć po polsku. Jeśli pytanie jest po angielsku, myślisz również po angielsku itd. "
-    "** PAMIĘTAJ! ** Pytanie po polsku -> myślenie po polsku -> odpowiedź po polsku!"
-    "*** BARDZO WAŻNE!!! *** Jesteś Bielikiem, polskim modelem językowym. Twoją główną cechą jest umiejętność "
-    "pisania po polsku. Jeśli użytkownik zadaje Ci pytania po polsku, ZAWSZE odpowiadaj po polsku. "
-    "Nawet, jeśli korzystasz z narzędzia, którego większość instrukcji jest po angielsku, powinieneś przede "
-    "wszystkim odpowiadać po polsku, jeśli użytkownik zadaje pytanie w tym języku.")
 
 
 def load(name: str) -> ChatTemplate:
@@ -71,14 +60,14 @@ EXPECTED = {
     # `enable_thinking is false` closes an empty <think> block; unset leaves '<|im_start|>assistant\n' (on).
     "Qwen-Qwen3-0.6B.jinja": toggled("Qwen-Qwen3-0.6B.jinja", "on", {"opens": False}),
     # unset -> true -> '/think' mode, prompt '<|im_start|>assistant\n'; off appends '<think>\n\n</think>\n'; the
-    # mode line '/think' vs '/no_think' replaces text rather than inserting any, so no instruction.
-    "HuggingFaceTB-SmolLM3-3B.jinja": toggled("HuggingFaceTB-SmolLM3-3B.jinja", "on", {"opens": False}),
+    # mode line before the system prompt says '/think' where off says '/no_think': that word is on's instruction.
+    "HuggingFaceTB-SmolLM3-3B.jinja": toggled("HuggingFaceTB-SmolLM3-3B.jinja", "on",
+                                              {"opens": False, "instruction": "/think"}),
     # '<think>' unless enable_thinking is defined and false: unset is on; off ends with '</think>'.
     "GLM-4.7-Flash.jinja": toggled("GLM-4.7-Flash.jinja", "on", {"opens": True}),
     # `if enable_thinking`: unset is off; on appends '<think>\n' and writes its Polish thinking text after the
-    # system prompt (a level's instruction is its text wherever it stands).
-    "Bielik-11B-v3.0-Instruct.jinja": toggled("Bielik-11B-v3.0-Instruct.jinja", "none",
-                                              {"opens": True, "instruction": BIELIK_THINKING}),
+    # system prompt, which is no instruction (the spec's is text placed first in the system prompt).
+    "Bielik-11B-v3.0-Instruct.jinja": toggled("Bielik-11B-v3.0-Instruct.jinja", "none", {"opens": True}),
     # `enable_thinking is true` appends 'assistant: <think>\n'; unset gives 'assistant:' (off).
     "Reka-Edge.jinja": toggled("Reka-Edge.jinja", "none", {"opens": True}),
     # on writes '<|think|>\n' at the top of the system turn, before the system prompt; unset is off, which

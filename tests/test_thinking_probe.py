@@ -1,5 +1,6 @@
-"""The thinking probe on synthetic templates: a level's instruction is all the text the level adds, wherever the
-template writes it, and opens_reasoning says whether that level's generation prompt leaves a reasoning block open.
+"""The thinking probe on synthetic templates: a level's instruction is all the text the level adds before the
+system prompt (the spec's "template text placed first in the system prompt"; what it writes after the system
+prompt is none), and opens_reasoning says whether that level's generation prompt leaves a reasoning block open.
 Each expectation is read off the template above it, not produced by the probe."""
 
 from __future__ import annotations
@@ -70,6 +71,20 @@ TWO_PLACES = EFFORT + r"""
 {{- '<|im_start|>' + m.role + '\n' + (level_text if m.role == 'system' else '') + m.content }}
 {{- (reminder if m.role == 'user' else '') + '<|im_end|>\n' }}
 {%- endfor %}""" + OPEN_THINK
+# The switch changes a word before the system prompt, written for every level (SmolLM3's "/think" mode line).
+MODE_WORD = r"""
+{%- set mode = '/no_think' if enable_thinking is defined and not enable_thinking else '/think' %}
+{{- '<|im_start|>system\nReasoning Mode: ' + mode + '\n\n' }}
+{%- for m in messages %}{{ (m.content + '<|im_end|>\n' if m.role == 'system' else '<|im_start|>' + m.role + '\n'
+                          + m.content + '<|im_end|>\n') }}{% endfor %}
+{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"""
+# The switch changes a word after the system prompt, in a block of its own (Apertus' "Deliberation: enabled").
+AFTER_SYSTEM_WORD = r"""
+{%- for m in messages %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}
+{%- if m.role == 'system' %}{{ '<|im_start|>developer\nDeliberation: '
+                               + ('enabled' if enable_thinking else 'disabled') + '<|im_end|>\n' }}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' + ('<think>\n' if enable_thinking else '') }}{% endif %}"""
 # XML-style role tags: the generation prompt ends by opening the assistant's turn, which is not reasoning.
 XML_ROLES = r"""
 {%- set effort = reasoning_effort | default('high') %}
@@ -105,12 +120,28 @@ def levels_of(thinking: TemplateThinking) -> list[tuple[str, str | None, bool, b
     return [(level.id, level.instruction, level.opens_reasoning, level.default) for level in thinking.levels]
 
 
-@pytest.mark.parametrize("source", [FIRST, LAST, INSIDE, OWN_SYSTEM_MESSAGE, NO_SYSTEM_ROLE],
-                         ids=["first", "last", "inside", "own system message", "no system role"])
-def test_each_level_gets_its_whole_text_wherever_it_stands(source: str) -> None:
+@pytest.mark.parametrize("source", [FIRST, INSIDE, OWN_SYSTEM_MESSAGE, NO_SYSTEM_ROLE],
+                         ids=["first", "inside", "own system message", "no system role"])
+def test_each_level_gets_its_whole_text_wherever_it_stands_before_the_system_prompt(source: str) -> None:
     thinking = probed(source)
     assert (thinking.toggle, thinking.effort, thinking.default_level.id) == (None, "reasoning_effort", "high")
     assert levels_of(thinking) == [("low", "Think briefly.", True, False), ("high", "Think hard.", True, True)]
+
+
+def test_text_after_the_system_prompt_is_no_instruction() -> None:
+    """Bielik, Hy3 and Apertus write their thinking text after the system prompt: no level has an instruction."""
+    assert levels_of(probed(LAST)) == [("low", None, True, False), ("high", None, True, True)]
+    thinking = probed(AFTER_SYSTEM_WORD)
+    assert (thinking.toggle, thinking.default_level.id) == ("enable_thinking", "none")
+    assert levels_of(thinking) == [("none", None, False, True), ("on", None, True, False)]
+
+
+def test_a_word_the_level_changes_before_the_system_prompt_is_its_instruction() -> None:
+    """SmolLM3 writes "/think" (unset, or on) or "/no_think" (off) before the system prompt: "/think" is what the
+    level "on" adds over thinking off, though the text it changes is shorter."""
+    thinking = probed(MODE_WORD)
+    assert (thinking.toggle, thinking.default_level.id) == ("enable_thinking", "on")
+    assert levels_of(thinking) == [("none", None, False, False), ("on", "/think", False, True)]
 
 
 def test_the_issue_template_opens_the_block_it_never_closes() -> None:
@@ -136,9 +167,9 @@ def test_opens_reasoning_per_level() -> None:
         ["<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n\n"]
 
 
-def test_text_in_two_places_is_both_parts() -> None:
-    assert levels_of(probed(TWO_PLACES)) == [("low", "Think briefly.\n(Be quick.)", True, False),
-                                             ("high", "Think hard.\n(Take your time.)", True, True)]
+def test_of_text_in_two_places_the_part_before_the_system_prompt_is_the_instruction() -> None:
+    assert levels_of(probed(TWO_PLACES)) == [("low", "Think briefly.", True, False),
+                                             ("high", "Think hard.", True, True)]
 
 
 def test_a_role_tag_that_ends_the_generation_prompt_is_not_reasoning() -> None:
@@ -153,7 +184,8 @@ def test_an_insertion_is_read_at_word_boundaries() -> None:
     # "a." + "\n\nb." reads as "a.\n\nb" + "." too: the reading with whitespace at its ends is the text.
     assert added_text("<s>a.\n\nb.</s>", "<s>a.</s>") == "b."
     assert added_text("<s>a.</s>", "<s>a.</s>") is None
-    assert added_text("<s>/think</s>", "<s>/no_think</s>") is None          # a deletion adds nothing
+    assert added_text("<s>Mode: /think\n</s>", "<s>Mode: /no_think\n</s>") == "/think"   # a word lost letters
+    assert added_text("<s>a b</s>", "<s>a x b</s>") is None                 # a whole word deleted adds nothing
 
 
 def test_a_whole_system_message_is_its_text() -> None:

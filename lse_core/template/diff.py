@@ -52,8 +52,9 @@ def _unframed(readings: list[str], frames: list[Frame]) -> str:
 
 def added_text(rendering: str, baseline: str, frames: list[Frame] | None = None) -> str | None:
     """The text `rendering` has that `baseline` lacks, wherever it stands, or None when it adds none. Text the
-    baseline also has in another form (a changed word) counts as the rendering's own; a span that is a whole
-    system message (framed as one of `frames`) counts without its frame. Separate spans are joined by a line."""
+    baseline also has in another form (a changed word, or a word the baseline writes with more letters) counts as
+    the rendering's own; a span that is a whole system message (framed as one of `frames`) counts without its
+    frame. Separate spans are joined by a line."""
     start = common_prefix(rendering, baseline)
     trim = _common_suffix(rendering, baseline, min(len(rendering), len(baseline)) - start)
     end = len(rendering) - trim
@@ -61,14 +62,27 @@ def added_text(rendering: str, baseline: str, frames: list[Frame] | None = None)
     opcodes = difflib.SequenceMatcher(None, baseline[start:len(baseline) - trim], rendering[start:end],
                                       autojunk=False).get_opcodes()
     pieces = []
-    for k, (op, _, _, j1, j2) in enumerate(opcodes):
+    for k, (op, i1, i2, j1, j2) in enumerate(opcodes):
         if op == "insert":
             low = start + opcodes[k - 1][3] if k > 0 else 0
             high = start + opcodes[k + 1][4] if k + 1 < len(opcodes) else len(rendering)
             pieces.append(_unframed(_readings(rendering, start + j1, start + j2, low, high), frames or []))
         elif op == "replace":
             pieces.append(rendering[start + j1:start + j2].strip())
+        elif op == "delete" and not any(c.isspace() for c in baseline[start + i1:start + i2]):
+            pieces.append(_word_at(rendering, start + j1))   # a word that lost letters: "/no_think" -> "/think"
     return "\n".join(piece for piece in pieces if piece) or None
+
+
+def _word_at(text: str, at: int) -> str:
+    """The word (run of non-whitespace characters) around position ``at`` of ``text``; empty between two
+    whitespace characters, where a whole word was deleted."""
+    low, high = at, at
+    while low > 0 and not text[low - 1].isspace():
+        low -= 1
+    while high < len(text) and not text[high].isspace():
+        high += 1
+    return text[low:high]
 
 
 def system_frames(with_system: str, without_system: str, system_text: str) -> list[Frame]:
@@ -87,7 +101,7 @@ def system_frames(with_system: str, without_system: str, system_text: str) -> li
     return frames
 
 
-def _beside(rendering: str, contents: list[str]) -> list[str]:
+def message_markup(rendering: str, contents: list[str]) -> list[str]:
     """What the template writes on the line of each message whose content is one of `contents`, before and after
     that content: its markup for a message (`[INST]`, `<|im_end|>`)."""
     found = []
@@ -98,19 +112,20 @@ def _beside(rendering: str, contents: list[str]) -> list[str]:
     return [text for text in found if text]
 
 
-def level_units(renderings: list[str], contents: list[str]) -> list[str | None]:
+def level_units(renderings: list[str], contents: list[str], markup: list[str] | None = None) -> list[str | None]:
     """Each rendering's own text where the renderings differ, for renderings none of which lacks the text (a
     template that writes one of several sentences there): the differing region, widened over the text all of
     them share to the enclosing unit, stripped; None where that is empty. A unit ends at a line break, a
     message's markup, the content of one of the messages (`contents`, which is never a level's) or the
     rendering's ends. Sentence ends are no boundary, since the levels' texts can share sentences that are
-    still each level's text ("Reasoning: low. Be concise." and "Reasoning: high. Be concise.")."""
+    still each level's text ("Reasoning: low. Be concise." and "Reasoning: high. Be concise."). ``markup``: the
+    message markup (message_markup) read off whole renderings, for renderings cut short of the messages."""
     start = min(common_prefix(renderings[0], rendering) for rendering in renderings)
     limit = min(len(rendering) for rendering in renderings) - start
     trim = min(_common_suffix(renderings[0], rendering, limit) for rendering in renderings)
     units = []
     for rendering in renderings:
-        marks = ["\n", *_beside(rendering, contents), *contents]
+        marks = ["\n", *(message_markup(rendering, contents) if markup is None else markup), *contents]
         low = max((at + len(mark) for mark in marks if (at := rendering.rfind(mark, 0, start)) >= 0), default=0)
         high = min((at for mark in marks if (at := rendering.find(mark, len(rendering) - trim)) >= 0),
                    default=len(rendering))

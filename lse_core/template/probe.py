@@ -14,7 +14,7 @@ from typing import Any
 
 from jinja2 import nodes
 
-from lse_core.template.diff import added_text, appended_prompt, level_units, system_frames
+from lse_core.template.diff import added_text, appended_prompt, level_units, message_markup, system_frames
 from lse_core.template.reasoning import opens_reasoning
 from lse_core.template.render import ChatTemplate, TemplateLimitError, describe_error, time_limit
 from lse_core.template.thinking import EFFORT, TOGGLE, Level, TemplateThinking
@@ -281,17 +281,22 @@ def _probe(template: ChatTemplate) -> TemplateThinking:
 
 def _instructions(renderer: _Renderer, usable: list[int], has_toggle: bool,
                   levels: list[dict[str, Any]]) -> list[str | None]:
-    """The instructions of the levels, from their variables: all the text a level's rendering (without the
-    generation prompt, which the level's generation_prompt holds) adds over the rendering without a level. That
+    """The instructions of the levels, from their variables: the text a level's rendering (without the
+    generation prompt, which the level's generation_prompt holds) adds before the system prompt (the spec's
+    instruction; text a level writes after it is no instruction) over the rendering without a level. That
     is thinking off where the template has the switch, else an effort value the template ignores, else (a
     template that refuses every other value) its rendering with no variables, unless that is a level's own:
     then the text where the levels' renderings differ is each one's, or, when a level writes none there, what
-    the others add over it. Read off the conversation with a system prompt when the template takes one; an
-    instruction written as its own system message is its text alone."""
+    the others add over it. Read off the conversation with a system prompt when the template takes one (else
+    the text before the user's message); an instruction written as its own system message is its text alone."""
     conversation = WITH_SYSTEM if WITH_SYSTEM in usable else USER_ONLY
+    first_message = SYSTEM_TEXT if conversation == WITH_SYSTEM else USER_TEXT
 
     def text(c: int, variables: dict[str, Any]) -> Rendering:
         return renderer.render(c, variables, generation_prompt=False)
+
+    def before_first_message(rendering: Rendering) -> Rendering:
+        return rendering.partition(first_message)[0] if isinstance(rendering, str) else rendering
 
     no_level = {TOGGLE: False} if has_toggle else {EFFORT: UNKNOWN_EFFORT}
     if not isinstance(text(conversation, no_level), str):
@@ -299,10 +304,12 @@ def _instructions(renderer: _Renderer, usable: list[int], has_toggle: bool,
     baseline, without_system = text(conversation, no_level), text(USER_ONLY, no_level)
     frames = system_frames(baseline, without_system, SYSTEM_TEXT) \
         if conversation == WITH_SYSTEM and isinstance(baseline, str) and isinstance(without_system, str) else []
-    renderings = [text(conversation, variables) for variables in levels]
+    whole = [text(conversation, variables) for variables in levels]
+    baseline, renderings = before_first_message(baseline), [before_first_message(r) for r in whole]
     strings = [rendering for rendering in renderings if isinstance(rendering, str)]
     if not no_level and len(strings) == len(renderings) and baseline in strings and len(set(strings)) > 1:
-        units = level_units(strings, [SYSTEM_TEXT, USER_TEXT])
+        contents = [SYSTEM_TEXT, USER_TEXT]
+        units = level_units(strings, contents, [mark for r in whole for mark in message_markup(r, contents)])
         if None not in units:
             return units
         baseline = strings[units.index(None)]

@@ -46,7 +46,7 @@ class Level:
     id: str
     enable_thinking: bool | None     # what the level passes to the toggle; None without one
     reasoning_effort: str | None     # what it passes to the effort variable; None when none
-    instruction: str | None          # the text the level adds to the prompt, wherever the template puts it
+    instruction: str | None          # the text the level adds before the system prompt (the spec's placement)
     generation_prompt: str           # the assistant opening the template appends for this level
     opens_reasoning: bool            # the generation prompt leaves a reasoning block open
     default: bool = False
