@@ -16,7 +16,7 @@ from typing import Any, Literal
 from typing_extensions import TypedDict
 
 from lse_core import embeddings, protocol, structured
-from lse_core.adapters import anthropic, responses
+from lse_core.adapters import anthropic, ollama, responses
 from lse_core.adapters.common import CoreDelta, Count, Translation, core_delta, core_end
 from lse_core.adapters.responses import ResponseStore
 from lse_core.config import KV_CACHE_TYPES, KVCacheType, LSEConfig
@@ -634,14 +634,18 @@ ADAPTERS: dict[str, tuple[Callable[[LSE, Any], tuple[dict[str, Any], Translation
                   responses.error_body),
     "responses_compact": (lambda lse, body: responses.compact(body, lse.responses), responses.error_body),
     "messages": (lambda lse, body: anthropic.start(body, lse.model_id), anthropic.error_body),
+    "ollama_chat": (lambda lse, body: ollama.chat_start(body, lse.model_id, lse.context_length), ollama.error_body),
+    "ollama_generate": (lambda lse, body: ollama.generate_start(body, lse.model_id, lse.context_length),
+                        ollama.error_body),
 }
 
 
 def lse_api_request(lse: LSE, body: Any, on_event: Callable[[Event], None], api: str) -> Request:
-    """Start an OpenAI Responses ("responses") or Anthropic Messages ("messages") request. Its body
-    becomes a chat request; events arrive in that API's shapes: for a stream, a token event per stream
-    event, then an end event whose data is the closing events; otherwise one end event with the response
-    object; or an error event (that API's error body, or its stream error event once streaming)."""
+    """Start an OpenAI Responses ("responses"), Anthropic Messages ("messages") or Ollama ("ollama_chat",
+    "ollama_generate") request. Its body becomes a chat request (a completion, for Ollama's raw prompts);
+    events arrive in that API's shapes: for a stream, a token event per stream event, then an end event whose
+    data is the closing events; otherwise one end event with the response object; or an error event (that
+    API's error body, or its stream error event once streaming)."""
     start, error_body = ADAPTERS[api]
     try:
         chat, translation = start(lse, body)
@@ -677,14 +681,17 @@ def lse_api_request(lse: LSE, body: Any, on_event: Callable[[Event], None], api:
 
     try:
         core.append(lse_request(lse, chat | {"stream": True, "stream_options": {"include_usage": True}},
-                                on_core_event, api=api))
+                                on_core_event, "completion" if "prompt" in chat else "chat", api))
     finally:   # never leave the engine's thread waiting, whatever happened
         started.set()
     return core[0]
 
 
 def lse_error_body(error: LSEError, api: str = "chat") -> dict[str, Any]:
-    """An error's body as ``api`` shapes errors: Anthropic's for "messages", OpenAI's otherwise."""
+    """An error's body as ``api`` shapes errors: Anthropic's for "messages", Ollama's for "ollama", OpenAI's
+    otherwise."""
+    if api == "ollama":
+        return ollama.error_body(error.body(), error.status)
     return anthropic.error_body(error.body(), error.status) if api == "messages" else error.body()
 
 

@@ -87,6 +87,7 @@ class _Entry:
     served: dict[str, Any] | None = None  # its /v1/models entry, known once it has opened
     bounds: tuple[int, int] | None = None   # its vocabulary size and width, known once it has opened
     stats: Stats = field(default_factory=Stats)   # kept across opens, so /metrics' counters never go back
+    keep_alive: float | None = None       # seconds it stays open once idle, as a request asked; None: the policy's
 
 
 class Lease:
@@ -134,12 +135,17 @@ class ModelSet:
         self._changed = threading.Condition(self._lock)   # a lease released, a model closed, the set closing
         self._opening = threading.Lock()   # one open or close at a time: memory peaks never overlap
         self._closed = False
+        self._reaping = False   # the thread that closes idle models runs
         if self.policy.idle_unload > 0:
-            threading.Thread(target=self._close_idle, name="lse-idle-unload", daemon=True).start()
+            self._start_reaping()
 
     @property
     def ids(self) -> list[str]:
         return list(self._entries)
+
+    @property
+    def specs(self) -> list[ModelSpec]:
+        return [entry.spec for entry in self._entries.values()]
 
     # ---- leases ----
 
@@ -235,6 +241,23 @@ class ModelSet:
                 _close(taken)
         return self.entry(model_id)
 
+    def keep_alive(self, model_id: str | None, seconds: float) -> None:
+        """Keep the model open ``seconds`` once idle instead of the policy's idle_unload, until it is next closed
+        (Ollama's keep_alive: the last request that names one decides): 0 closes it as soon as its requests end,
+        a negative time never."""
+        entry = self._entry(model_id)
+        with self._lock:
+            entry.keep_alive = seconds
+            self._changed.notify_all()
+            if not self._reaping:
+                self._start_reaping()
+
+    def idle_limit(self, model_id: str) -> float | None:
+        """Seconds the model stays open once idle; None: until it is unloaded on purpose or to make room."""
+        entry = self._entry(model_id)
+        with self._lock:
+            return self._idle_limit(entry)
+
     def close(self) -> None:
         """Close every model; requests still waiting for one get 503 shutting_down."""
         with self._lock:
@@ -312,7 +335,7 @@ class ModelSet:
 
     def _take(self, entry: _Entry) -> api.LSE | None:
         """Mark an open model closed (so no lease reaches it) and hand over its handle to close. Under _lock."""
-        lse, entry.lse = entry.lse, None
+        lse, entry.lse, entry.keep_alive = entry.lse, None, None
         if entry.state == LOADED:
             entry.state = UNLOADED
             self._changed.notify_all()
@@ -386,12 +409,23 @@ class ModelSet:
                      entry.spec.id)
             _close(taken)
 
+    def _idle_limit(self, entry: _Entry) -> float | None:
+        """Seconds ``entry`` stays open once idle: its keep_alive, else policy.idle_unload (0: never); None: no
+        limit. Under _lock."""
+        if entry.keep_alive is not None:
+            return None if entry.keep_alive < 0 else entry.keep_alive
+        return self.policy.idle_unload or None
+
+    def _start_reaping(self) -> None:
+        self._reaping = True
+        threading.Thread(target=self._close_idle, name="lse-idle-unload", daemon=True).start()
+
     def _close_idle(self) -> None:
-        """Close each model idle for ``policy.idle_unload`` seconds (a thread, while the set is open)."""
-        idle_s = self.policy.idle_unload
+        """Close each model idle for its idle limit (a thread, while the set is open)."""
         while True:
             with self._lock:
-                self._changed.wait(min(REAP_EVERY_S, idle_s))
+                limits = [self._idle_limit(e) for e in self._entries.values()]
+                self._changed.wait(min([REAP_EVERY_S] + [s for s in limits if s]))
                 if self._closed:
                     return
             if not self._opening.acquire(blocking=False):   # a load is under way; look again later
@@ -399,11 +433,11 @@ class ModelSet:
             try:
                 with self._lock:
                     now = time.monotonic()
-                    expired = [e for e in self._entries.values()
-                               if e.state == LOADED and not e.leases and now - e.last_used >= idle_s]
-                    taken = [self._take(e) for e in expired]
-                for e in expired:
-                    log.info("lse: unloading %s, idle for %g s", e.spec.id, idle_s)
+                    expired = [(e, limit) for e in self._entries.values() if e.state == LOADED and not e.leases
+                               and (limit := self._idle_limit(e)) is not None and now - e.last_used >= limit]
+                    taken = [self._take(e) for e, _ in expired]
+                for e, limit in expired:
+                    log.info("lse: unloading %s, idle for %g s", e.spec.id, limit)
                 _close(taken)
             finally:
                 self._opening.release()

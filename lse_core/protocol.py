@@ -431,11 +431,12 @@ class Timings:
 @pydantic_dataclass
 class LSEWarning:
     """One lse_warnings entry: a CPU fallback cause and how often this request ran it, or (count None,
-    left out of the JSON) another warning about the reply, such as structured output cut short."""
+    left out of the JSON) another warning about the reply, such as structured output cut short or an Ollama
+    option ignored."""
 
     cause: str
     count: Count | None = Field(None, description="a cpu_fallback's runs in this request")
-    type: Literal["cpu_fallback", "structured_output_incomplete"] = "cpu_fallback"
+    type: Literal["cpu_fallback", "structured_output_incomplete", "ignored_option"] = "cpu_fallback"
 
     def to_json(self) -> dict[str, Any]:
         return _WARNING.dump_python(self, exclude_none=True)

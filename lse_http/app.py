@@ -84,6 +84,8 @@ def create_app(models: ModelSet, *, api_key: str | None = None,
     page; see lse_http.browser); ``stall_timeout``: how long a stream may stay paused because its client
     reads nothing (StreamEvents)."""
 
+    from lse_http.ollama import routes as ollama_routes  # it builds on this module's transport
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if len(models.ids) == 1:
@@ -113,6 +115,7 @@ def create_app(models: ModelSet, *, api_key: str | None = None,
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
+        *ollama_routes(),
         Route("/", page, methods=["GET"]),
         Mount("/page", StaticFiles(directory=PAGE_DIR), name="page"),
     ]
@@ -187,6 +190,7 @@ async def count_tokens(request: Request) -> Response:
 
 
 StartRequest = Callable[[api.LSE, Any, Callable[[api.Event], None]], api.Request]
+StreamWriter = Callable[[api.Event, "StreamEvents"], AsyncIterator[bytes]]   # a stream's bytes from its events
 
 
 async def _complete(request: Request, start: StartRequest, typed: bool = False) -> Response:
@@ -197,8 +201,14 @@ async def _complete(request: Request, start: StartRequest, typed: bool = False) 
     A stream's response starts only at the first event, so an error found before any token (a bad
     field, a prompt that fills the context, a full queue) keeps its own HTTP status."""
     body = await _read_json(request)
-    lease = await _lease(request, body)
     stream = isinstance(body, dict) and body.get("stream") is True
+    return await answer(request, body, start, stream, _typed_sse if typed else _sse)
+
+
+async def answer(request: Request, body: Any, start: StartRequest, stream: bool, writer: StreamWriter,
+                 media_type: str = "text/event-stream") -> Response:
+    """_complete's answer to a body already read, its stream written by ``writer`` (lse_http.ollama's too)."""
+    lease = await _lease(request, body)
     loop = asyncio.get_running_loop()
     events = StreamEvents(request.app.state.stall_timeout)
 
@@ -229,7 +239,7 @@ async def _complete(request: Request, start: StartRequest, typed: bool = False) 
         return _json(first.data, first.status, _retry_after(first.status))
     if not stream:
         return _json(first.data)
-    return EventStream(first, events, handle, typed, on_close=running.discard)
+    return EventStream(writer(first, events), events, handle, media_type, on_close=running.discard)
 
 
 class StreamEvents:
@@ -284,15 +294,15 @@ async def _disconnected(receive: Receive) -> None:
 
 
 class EventStream(StreamingResponse):
-    """A request's chunks as server-sent events. However the response ends (the last chunk sent, or
-    starlette cancelling it within a millisecond of the client closing, even before the first
-    chunk), the request is cancelled; that is a no-op for a request that has already ended."""
+    """A request's stream: server-sent events, or Ollama's lines of JSON (``body``, written from ``events``).
+    However the response ends (the last chunk sent, or starlette cancelling it within a millisecond of the
+    client closing, even before the first chunk), the request is cancelled; that is a no-op for a request
+    that has already ended."""
 
-    def __init__(self, first: api.Event, events: StreamEvents, handle: api.Request,
-                 typed: bool = False, on_close: Callable[[api.Request], None] = lambda handle: None) -> None:
-        body = _typed_sse(first, events) if typed else _sse(first, events)
-        super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, body: AsyncIterator[bytes], events: StreamEvents, handle: api.Request,
+                 media_type: str = "text/event-stream",
+                 on_close: Callable[[api.Request], None] = lambda handle: None) -> None:
+        super().__init__(body, media_type=media_type, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.handle = handle
         self.events = events
         self.on_close = on_close
@@ -610,9 +620,9 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 
 def _error(path: str, error: LSEError, headers: dict[str, str] | None = None) -> Response:
-    """An error in the shape of the API the path belongs to (Anthropic's under /v1/messages)."""
-    return _json(api.lse_error_body(error, "messages" if path.startswith("/v1/messages") else "chat"),
-                 error.status, headers)
+    """An error in the shape of the API the path belongs to (Anthropic's under /v1/messages, Ollama's under /api/)."""
+    shape = "messages" if path.startswith("/v1/messages") else "ollama" if path.startswith("/api/") else "chat"
+    return _json(api.lse_error_body(error, shape), error.status, headers)
 
 
 async def _lse_error(request: Request, e: Exception) -> Response:

@@ -131,7 +131,8 @@ class CoreDelta:
 def core_delta(chunk: dict[str, Any]) -> CoreDelta:
     if not chunk.get("choices"):
         return CoreDelta()
-    delta = chunk["choices"][0].get("delta") or {}
+    choice = chunk["choices"][0]   # a chat chunk's delta, or a completion chunk's text (its choice itself)
+    delta = choice.get("delta") or {"content": choice.get("text"), "reasoning_content": choice.get("reasoning_content")}
     calls = [{k: v for k, v in call.items() if k != "index"} for call in delta.get("tool_calls") or []]
     return CoreDelta(delta.get("content") or "", delta.get("reasoning_content") or "", calls)
 
