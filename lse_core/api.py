@@ -38,7 +38,7 @@ from lse_core.model.model import Model
 from lse_core.sampling import GenerationDefaults, generation_defaults, resolve_sampling
 from lse_core.stats import RequestStats, Stats
 from lse_core.template.probe import TemplateThinking, probe
-from lse_core.template.reasoning import ReasoningSplitter, reasoning_splitter
+from lse_core.template.reasoning import THINK_MARKERS, ReasoningSplitter, reasoning_splitter
 from lse_core.template.render import ChatTemplate, RenderTooLong
 from lse_core.template.thinking import Level, Thinking, resolve_level, template_variables, thinking_budget
 from lse_core.tools import BARE_JSON, ToolCallParser, call_syntax, tool_call_format
@@ -257,7 +257,9 @@ def _start(lse: LSE, request: Request, body: Any) -> None:
     limit = resolve_limit(req.max_tokens, lse.config.max_tokens, lse.defaults, len(prompt),
                           lse.context_length, req.prompt_param)
     tool_parser = _tool_call_parser(lse, req)
-    splitter = reasoning_splitter(lse.thinking, level, prompt_text)
+    # a completion's thinking fields split the reply at <think> markers even where the template names none
+    asked = level is not None and not chat
+    splitter = reasoning_splitter(lse.thinking, level, prompt_text, THINK_MARKERS if asked else None)
     params = SeqParams(
         prompt=prompt, max_new_tokens=limit.max_new_tokens, limit_reason=limit.stop_reason,
         sampling=resolve_sampling(req, lse.defaults), stop=list(req.stop),

@@ -383,6 +383,30 @@ def test_completion_with_thinking_off_keeps_the_markers(scripted_lse: LSE, scrip
     assert "</think>" in choice["text"]
 
 
+@pytest.fixture(scope="module")
+def scripted_without_levels(scripted: dict[str, Any], tmp_path_factory) -> Iterator[LSE]:
+    """The scripted model with SmolLM2's template: no thinking levels and no reasoning markers of its own."""
+    with open_engine(with_template(scripted["model"], tmp_path_factory.mktemp("plain"), SMOLLM2), kv_len=96) as lse:
+        yield lse
+
+
+def test_completion_fields_split_think_markers_on_a_template_without_levels(
+        scripted_without_levels: LSE, scripted: dict[str, Any], markers) -> None:
+    """The spec: on /v1/completions the thinking fields decide whether <think> markers are split, whatever the
+    template; sent none, the reply is the model's text as it is."""
+    assert lse_model_info(scripted_without_levels)["thinking"]["supported"] is False
+    body = completion_body(scripted, markers, enable_thinking=True)
+    choice = reply(scripted_without_levels, body, "completion")["choices"][0]
+    assert choice["reasoning_content"].strip() == scripted["reasoning"].strip()
+    assert choice["text"].strip() == scripted["content"].strip()
+    chunks, _ = streamed(scripted_without_levels, completion_body(scripted, markers, reasoning_effort="high"),
+                         "completion")
+    assert streamed_text(chunks, "reasoning_content") == choice["reasoning_content"]
+    assert streamed_text(chunks) == choice["text"]
+    plain = reply(scripted_without_levels, completion_body(scripted, markers), "completion")["choices"][0]
+    assert "reasoning_content" not in plain and "</think>" in plain["text"]
+
+
 def test_completion_fields_are_not_checked_against_the_template(qwen38_lse: LSE) -> None:
     """On /v1/completions the prompt is the client's; a level the template lacks is no error there."""
     data = reply(qwen38_lse, {"prompt": "Hello", "max_tokens": 1, "reasoning_effort": "high"}, "completion")

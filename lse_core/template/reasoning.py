@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from lse_core.template.thinking import Level, TemplateThinking
 
+THINK_MARKERS = ("<think>", "</think>")   # the spec's reasoning markers, where a template names none
+
 
 def _partial_marker(text: str, marker: str) -> int:
     """The length of the longest suffix of text that is a proper prefix of marker."""
@@ -81,10 +83,13 @@ def opens_reasoning(prompt: str, markers: tuple[str, str] | None) -> bool:
     return markers is not None and markers[0] in prompt and prompt.rfind(markers[0]) > prompt.rfind(markers[1])
 
 
-def reasoning_splitter(thinking: TemplateThinking, level: Level | None, prompt: str) -> ReasoningSplitter | None:
-    """The splitter for the reply to `prompt` (the rendered chat prompt, or a completion's own prompt), or None
-    when the template has no reasoning markers or the level turns thinking off."""
-    if thinking.open_marker is None or thinking.close_marker is None or (level is not None and not level.thinks):
+def reasoning_splitter(thinking: TemplateThinking, level: Level | None, prompt: str,
+                       markers: tuple[str, str] | None = None) -> ReasoningSplitter | None:
+    """The splitter for the reply to `prompt` (the rendered chat prompt, or a completion's own prompt) at the
+    template's reasoning markers, else at ``markers``; None when there are neither or the level turns thinking
+    off."""
+    if thinking.open_marker is not None and thinking.close_marker is not None:
+        markers = (thinking.open_marker, thinking.close_marker)
+    if markers is None or (level is not None and not level.thinks):
         return None
-    markers = (thinking.open_marker, thinking.close_marker)
     return ReasoningSplitter(*markers, starts_inside=opens_reasoning(prompt, markers))
