@@ -210,7 +210,8 @@ class ModelSet:
     # ---- loading and unloading on purpose ----
 
     def load(self, model_id: str) -> Future[dict[str, Any]]:
-        """Open the model (again, after a failure) if it is not open; the future gives its /v1/models entry."""
+        """Open the model ``model_id`` (its id or path) if it is not open, again after a failure; the future gives
+        its /v1/models entry."""
         entry = self._entry(model_id)
         with self._lock:
             if entry.state == FAILED:
@@ -222,9 +223,9 @@ class ModelSet:
                 done.set_exception(lease.exception())
                 return
             lease.result().release()
-            done.set_result(self.entry(model_id))
+            done.set_result(self.entry(entry.spec.id))   # by id: entry() reads no paths
 
-        self.lease(model_id).add_done_callback(opened)
+        self.lease(entry.spec.id).add_done_callback(opened)
         return done
 
     def unload(self, model_id: str) -> dict[str, Any]:
@@ -239,7 +240,7 @@ class ModelSet:
         if taken != [None]:
             with self._opening:
                 _close(taken)
-        return self.entry(model_id)
+        return self.entry(entry.spec.id)
 
     def keep_alive(self, model_id: str | None, seconds: float) -> None:
         """Keep the model open ``seconds`` once idle instead of the policy's idle_unload, until it is next closed

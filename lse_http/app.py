@@ -31,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
@@ -179,7 +179,7 @@ async def embeddings(request: Request) -> Response:
             cancel.set()
             with contextlib.suppress(LSEError):
                 await work
-            return Response(status_code=499)   # nobody reads it; the client is gone
+            return _client_gone(request)
     return _json(work.result())
 
 
@@ -234,7 +234,7 @@ async def answer(request: Request, body: Any, start: StartRequest, stream: bool,
         running.discard(handle)
     if first is None:
         handle.cancel()
-        return Response(status_code=499)   # nobody reads it; the client is gone
+        return _client_gone(request)
     if first.kind == api.EVENT_ERROR:   # the engine's queue full is a 503 too
         return _json(first.data, first.status, _retry_after(first.status))
     if not stream:
@@ -648,13 +648,26 @@ async def _http_error(request: Request, e: Exception) -> Response:
     return _error(request.url.path, error, e.headers)
 
 
+def _client_gone(request: Request) -> Response:
+    """The answer to a client that closed its connection before it (nobody reads the 499). A disconnect is
+    normal: one info line, no traceback."""
+    log.info("lse: the client of %s %s closed the connection before its answer", request.method, request.url.path)
+    return Response(status_code=499)
+
+
+async def _client_disconnect(request: Request, e: Exception) -> Response:
+    """The client closed the connection while its body was being read."""
+    return _client_gone(request)
+
+
 async def _internal_error(request: Request, e: Exception) -> Response:
     """Any other exception: a 500 in the error shape (uvicorn logs the traceback)."""
     return _error(request.url.path, server_error(f"internal error: {type(e).__name__}: {e}"))
 
 
 # every error a route raises, answered in its API's error shape (lse_ray's ingress answers its own with these too)
-ERROR_HANDLERS = {LSEError: _lse_error, HTTPException: _http_error, Exception: _internal_error}
+ERROR_HANDLERS = {LSEError: _lse_error, HTTPException: _http_error, ClientDisconnect: _client_disconnect,
+                  Exception: _internal_error}
 
 
 def _open(path: str) -> bool:
@@ -668,17 +681,25 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = {"authorization": f"Bearer {api_key}".encode(), "x-api-key": api_key.encode()}
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket") and not _open(scope["path"]):   # a refused WebSocket gets the 401
-            headers = Headers(scope=scope)
-            name = "authorization" if "authorization" in headers else "x-api-key"
-            given = headers.get(name, "").encode()
-            if not hmac.compare_digest(given, self.expected[name]):
+            given = _presented_key(Headers(scope=scope))
+            if not hmac.compare_digest(given, self.expected):
                 problem = "is missing" if not given else "is not this server's key"
                 error = LSEError(f"the API key {problem}; send Authorization: Bearer <key> or x-api-key: <key>",
                                  status=401, type="authentication_error", code="invalid_api_key")
                 await _error(scope["path"], error, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _presented_key(headers: Headers) -> bytes:
+    """The key a request presents: Authorization's credentials when its scheme is Bearer, in any case and with
+    any spaces around (RFC 7235), else x-api-key's; empty when it presents none. Headers arrive as latin-1:
+    encoding them back gives the bytes sent."""
+    if "authorization" in headers:
+        scheme, _, credentials = headers["authorization"].strip().partition(" ")
+        return credentials.strip().encode("latin-1") if scheme.lower() == "bearer" else b""
+    return headers.get("x-api-key", "").strip().encode("latin-1")

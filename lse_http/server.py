@@ -11,15 +11,20 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import socket
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from lse_core.cli import add_engine_options, config_from_args
+
+log = logging.getLogger("lse")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,6 +64,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds running replies may take to finish after SIGTERM/SIGINT; then each is ended "
                         "with an error event (default: %(default)s)")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle connection stays open after an answer, for the client's next request "
+                        "(default: %(default)s)")
+    p.add_argument("--header-timeout", type=float, default=20.0,
+                   help="seconds a connection may take to send a whole request's headers, counted from when it "
+                        "opens or from its last answer; then it is closed, so connections that send nothing, or "
+                        "a byte at a time, hold no socket (default: %(default)s)")
     ray = p.add_argument_group("scale-out (Ray Serve; pip install 'lse[ray]'; see docs/scale-out.md)")
     ray.add_argument("--replicas", type=int, default=0,
                      help="serve through N engine replicas on Ray Serve behind this address (default: 0, one "
@@ -139,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
                                              "cors_origins": args.cors_origins, "stall_timeout": args.stall_timeout})
     app = create_app(ModelSet(specs, config, policy), api_key=args.api_key, on_load_failure=startup_failed,
                      allowed_hosts=hosts, cors_origins=args.cors_origins, stall_timeout=args.stall_timeout)
+    protocol = functools.partial(HeaderTimeoutProtocol, header_timeout=args.header_timeout)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           http=protocol, timeout_keep_alive=args.timeout_keep_alive,
                                            timeout_graceful_shutdown=args.shutdown_timeout + DRAIN_GRACE_S),
                             drain=app.state.running.abort_all, drain_after=args.shutdown_timeout)
     server.run()
@@ -151,6 +165,44 @@ DRAIN_GRACE_S = 5.0   # after the drain time, for the ended streams to send thei
 # nothing, and a stream paused by backpressure (lse_http.app.StreamEvents) should stop within ~2k tokens of
 # the client's last read, not 25k. 256 KiB (the kernel doubles the value) still fills a 100 ms link at 2.5 MB/s.
 SEND_BUFFER_BYTES = 128 << 10
+
+
+class HeaderTimeoutProtocol(AutoHTTPProtocol):
+    """uvicorn's HTTP protocol, closing a connection that has not sent a whole request's headers
+    ``header_timeout`` seconds after it opened or after its last answer. uvicorn's own keep-alive timer starts
+    only after an answer and stops at the next byte, so a connection that sends nothing, or a byte now and
+    then (slowloris), would hold its socket for good."""
+
+    def __init__(self, *args: Any, header_timeout: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_timeout = header_timeout
+        self.header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:   # type: ignore[override]
+        super().connection_made(transport)
+        self._wait_for_headers()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._wait_for_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+        super().connection_lost(exc)
+
+    def _wait_for_headers(self) -> None:
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+        if not self.transport.is_closing():
+            self.header_timer = self.loop.call_later(self.header_timeout, self._headers_late)
+
+    def _headers_late(self) -> None:
+        # a request whose headers came is being answered (a pipelined one too): its answer re-arms the timer
+        answering = self.cycle is not None and not self.cycle.response_complete
+        if not answering and not self.transport.is_closing():
+            log.info("lse: closing a connection that sent no request's headers in %g s", self.header_timeout)
+            self.transport.close()
 
 
 class DrainingServer(uvicorn.Server):
@@ -188,6 +240,10 @@ def _check_options(args: argparse.Namespace) -> str | None:
         return f"--stall-timeout must be more than 0 seconds, got {args.stall_timeout}"
     if args.shutdown_timeout < 0:
         return f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}"
+    if args.timeout_keep_alive <= 0:
+        return f"--timeout-keep-alive must be more than 0 seconds, got {args.timeout_keep_alive}"
+    if args.header_timeout <= 0:
+        return f"--header-timeout must be more than 0 seconds, got {args.header_timeout}"
     if args.replicas < 0:
         return f"--replicas must be 0 (no Ray) or more, got {args.replicas}"
     if args.parallel < 1:
