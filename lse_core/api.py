@@ -61,6 +61,13 @@ class Event:
     status: int = 200
 
 
+def error_in_stream(status: int) -> bool:
+    """Whether a streamed request's error, even one before its first token, is sent in its stream: a request
+    that failed (500, CPU fallback refused...) is, as the spec asks; an error the client can fix (4xx: a bad
+    field, a prompt that fills the context) or retry (503: a full queue) keeps its HTTP status."""
+    return status == 500
+
+
 @dataclass
 class LSE:
     """An open engine."""
@@ -676,7 +683,7 @@ def lse_api_request(lse: LSE, body: Any, on_event: Callable[[Event], None], api:
             events = [e for delta in deltas or [CoreDelta()] for e in translation.feed(delta, end.prompt_tokens)]
             closing, response = translation.finish(end)
             on_event(Event(EVENT_END, events + closing if translation.stream else response))
-        elif translation.stream and translation.started:
+        elif translation.stream and (translation.started or error_in_stream(event.status)):
             on_event(Event(EVENT_ERROR, translation.stream_error(event.data, event.status), event.status))
         else:
             on_event(Event(EVENT_ERROR, error_body(event.data, event.status), event.status))

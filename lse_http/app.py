@@ -199,7 +199,8 @@ async def _complete(request: Request, start: StartRequest, typed: bool = False) 
     Messages APIs.
 
     A stream's response starts only at the first event, so an error found before any token (a bad
-    field, a prompt that fills the context, a full queue) keeps its own HTTP status."""
+    field, a prompt that fills the context, a full queue) keeps its own HTTP status; a request that failed
+    (500: CPU fallback refused) is an error in its stream all the same (api.error_in_stream)."""
     body = await _read_json(request)
     stream = isinstance(body, dict) and body.get("stream") is True
     return await answer(request, body, start, stream, _typed_sse if typed else _sse)
@@ -235,8 +236,8 @@ async def answer(request: Request, body: Any, start: StartRequest, stream: bool,
     if first is None:
         handle.cancel()
         return _client_gone(request)
-    if first.kind == api.EVENT_ERROR:   # the engine's queue full is a 503 too
-        return _json(first.data, first.status, _retry_after(first.status))
+    if first.kind == api.EVENT_ERROR and not (stream and api.error_in_stream(first.status)):
+        return _json(first.data, first.status, _retry_after(first.status))   # the engine's queue full is a 503 too
     if not stream:
         return _json(first.data)
     return EventStream(writer(first, events), events, handle, media_type, on_close=running.discard)

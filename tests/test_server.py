@@ -466,13 +466,38 @@ def test_cpu_fallback_is_reported(checkpoint: Path) -> None:
                      log, re.MULTILINE), log
 
 
+def typed_sse_events(response: httpx.Response) -> list[tuple[str, dict]]:
+    """Each ``event:`` name and its ``data:`` of a Responses or Messages stream."""
+    events = []
+    for block in response.read().decode().split("\n\n"):
+        if block:
+            name, data = block.split("\n")
+            events.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return events
+
+
 def test_cpu_fallback_refused(checkpoint: Path) -> None:
+    """A request that fails (CPU fallback refused) is HTTP 500; streamed, the spec sends its error in the stream."""
     options = ("--kv-len", str(KV_LEN), "--pool", "hrx:0", "--no-cpu-fallback")
+    refused = "CPU fallback disabled: fused group"
     with lse_server(checkpoint, *options, env=HRX) as server, server.client() as http:
-        for stream in (False, True):
-            response = http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 3, "stream": stream})
-            error = assert_error(response, 500, "server_error", None)
-            assert error["message"].startswith("CPU fallback disabled: fused group"), error
+        response = http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 3})
+        error = assert_error(response, 500, "server_error", None)
+        assert error["message"].startswith(refused), error
+        with http.stream("POST", "/v1/chat/completions", json={"messages": HELLO, "max_tokens": 3,
+                                                               "stream": True}) as response:
+            assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+            error_event, done = sse_events(response)
+        assert done == "[DONE]" and error_event["error"]["type"] == "server_error", error_event
+        assert error_event["error"]["message"].startswith(refused)
+        for path, body in [("/v1/responses", {"input": "Hi", "max_output_tokens": 3, "stream": True}),
+                           ("/v1/messages", {"model": http.get("/v1/models").json()["data"][0]["id"],
+                                             "messages": HELLO, "max_tokens": 3, "stream": True})]:
+            with http.stream("POST", path, json=body) as response:
+                assert response.status_code == 200, response.read()
+                ((name, data),) = typed_sse_events(response)
+            message = data["message"] if path == "/v1/responses" else data["error"]["message"]
+            assert name == data["type"] == "error" and message.startswith(refused), data
         assert http.get("/health").json() == {"status": "ok"}
         assert http.get("/v1/lse/status").json()["engine"]["cpu_fallback"]["allowed"] is False
 
