@@ -173,21 +173,23 @@ class EmbeddingList:
     lse_warnings: list[LSEWarning] | None = None
 
 
+_EMBEDDING = TypeAdapter(Embedding)
 _EMBEDDING_LIST = TypeAdapter(EmbeddingList)
 
 
 def response(req: EmbeddingsRequest, vectors: list[np.ndarray], model_id: str, prompt_tokens: int,
              warnings: list[LSEWarning]) -> dict[str, Any]:
-    """OpenAI's embeddings list; base64 is the float32 vector's little-endian bytes, as OpenAI sends it."""
+    """OpenAI's embeddings list; base64 is the float32 vector's little-endian bytes, as OpenAI sends it. Each
+    vector is built apart: one pass over thousands of them would hold the GIL, and so the engine's steps."""
     def encoded(vector: np.ndarray) -> Any:
         if req.encoding_format == "base64":
             return base64.b64encode(vector.astype("<f4").tobytes()).decode()
         return vector.tolist()
 
-    body = EmbeddingList("list", req.model or model_id,
-                         [Embedding("embedding", i, encoded(v)) for i, v in enumerate(vectors)],
-                         EmbeddingUsage(prompt_tokens, prompt_tokens), warnings or None)
-    return _EMBEDDING_LIST.dump_python(body, exclude_none=True)
+    body = EmbeddingList("list", req.model or model_id, [], EmbeddingUsage(prompt_tokens, prompt_tokens),
+                         warnings or None)
+    data = [_EMBEDDING.dump_python(Embedding("embedding", i, encoded(v))) for i, v in enumerate(vectors)]
+    return _EMBEDDING_LIST.dump_python(body, exclude_none=True) | {"data": data}
 
 
 def parse(body: Any) -> EmbeddingsRequest:

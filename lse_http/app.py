@@ -171,7 +171,7 @@ async def embeddings(request: Request) -> Response:
     body = await _read_json(request)
     cancel = threading.Event()
     with await _lease(request, body) as lse:
-        work = asyncio.ensure_future(run_in_threadpool(api.lse_embeddings, lse, body, cancel))
+        work = asyncio.ensure_future(run_in_threadpool(_embeddings_json, lse, body, cancel))
         gone = asyncio.ensure_future(_disconnected(request.receive))
         await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
@@ -180,7 +180,7 @@ async def embeddings(request: Request) -> Response:
             with contextlib.suppress(LSEError):
                 await work
             return _client_gone(request)
-    return _json(work.result())
+    return Response(work.result(), media_type="application/json")
 
 
 async def count_tokens(request: Request) -> Response:
@@ -614,6 +614,14 @@ async def _lease(request: Request, body: Any) -> Lease:
 
 def _dumps(data: Any) -> bytes:
     return json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _embeddings_json(lse: api.LSE, body: Any, cancel: threading.Event) -> bytes:
+    """/v1/embeddings' answer as JSON, made in the worker thread a vector at a time: one dump of thousands of
+    vectors would hold the GIL, and with it the engine and every stream, for a second or more."""
+    answer = api.lse_embeddings(lse, body, cancel)
+    vectors = b",".join([_dumps(item) for item in answer.pop("data")])
+    return _dumps(answer)[:-1] + b',"data":[' + vectors + b"]}"
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
