@@ -14,9 +14,10 @@ from lse_core.graph.fuse import FusedGroup
 from lse_core.graph.ir import Node, Step
 
 from .kernels import MODEL_KERNELS, NodeKernel, reads_transposed
+from .moe import MOE_KERNELS
 from .sampling import SAMPLING_KERNELS
 
-KERNELS = {**MODEL_KERNELS, **SAMPLING_KERNELS}
+KERNELS = {**MODEL_KERNELS, **MOE_KERNELS, **SAMPLING_KERNELS}
 
 
 class Program:

@@ -26,6 +26,21 @@ Op semantics (every backend implements exactly these; the numpy interpreter is t
   scale(x)                      x * attrs.factor
   last_rows(x)                  x[step.sample_rows]: the rows whose logits are sampled -> [S, width]
 
+Mixture-of-experts ops: a token's k routes (its chosen experts and their weights) are one row of a
+[T, 2k] value, the experts' ids (exact float32 integers) in columns :k, their weights in k:; slot j of
+a row is its j-th route. Only the chosen experts' matrices are read, each for the rows routed to it.
+  moe_route(logits)             router logits [T, n_experts] -> routes [T, 2 * attrs.k]; attrs.mode
+                                "softmax_topk": softmax over every expert, then the k largest
+                                probabilities (divided by their sum when attrs.normalize); "topk_softmax":
+                                the k largest logits, then softmax over those k. Slots in descending
+                                order, the lower id first on ties
+  expert_linear(x, routes; weight[, bias])
+                                weight [n_experts, out, in] (float32 or a QuantTensor), bias [n_experts,
+                                out]: slot j of row t is x_j @ weight[e].T (+ bias[e]), e its j-th
+                                expert, x_j row t of x [T, in] or its slot j of x [T, k * in]
+                                -> [T, k * out]; attrs.mlp as linear's
+  moe_combine(y, routes)        y [T, k * width] -> [T, width]: the slots' rows times their weights, summed
+
 Sampling ops, on logits [S, vocab] (row i belongs to sequence i; parameters from step.sampling).
 A sequence whose parameter leaves an op off gets its row unchanged; a step runs only the sampling
 groups some sequence needs (see SAMPLING_OP_NEEDED), so a request's sampling choice decides which
@@ -56,7 +71,8 @@ from typing import Any
 import numpy as np
 
 ELEMENTWISE_OPS = frozenset({"silu", "gelu", "add", "mul", "scale"})
-MODEL_OPS = frozenset({"embedding", "rms_norm", "linear", "rope", "attention", "last_rows"}) | ELEMENTWISE_OPS
+MOE_OPS = frozenset({"moe_route", "expert_linear", "moe_combine"})
+MODEL_OPS = frozenset({"embedding", "rms_norm", "linear", "rope", "attention", "last_rows"}) | ELEMENTWISE_OPS | MOE_OPS
 SAMPLING_OPS = ("mask", "penalize", "temperature", "top_k", "top_p", "min_p", "sample")
 OPS = MODEL_OPS | frozenset(SAMPLING_OPS)
 
