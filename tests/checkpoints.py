@@ -46,6 +46,10 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "granite": dict(SMALL, tie_word_embeddings=True, rope_theta=10000.0),
     "phi3": dict(SMALL, tie_word_embeddings=False, rope_theta=10000.0, pad_token_id=0, sliding_window=None),
     "smollm3": dict(SMALL, num_hidden_layers=4, tie_word_embeddings=True, rope_theta=2000000.0, pad_token_id=0),
+    # 8 experts, 2 a token; the dense layer (mlp_only_layers) keeps intermediate_size
+    "qwen3_moe": dict(SMALL, num_hidden_layers=3, head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      mlp_only_layers=[1]),
 }
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -195,3 +199,80 @@ def lse_greedy(model: Model, prompt: list[int], n_new: int, chunk: int | None = 
         if len(ids) < n_new:
             out = plan.run(make_step([(slot, [ids[-1]], position)]), want_logits=True)
     return ids, np.stack(logits)
+
+
+# Hugging Face layer tensor -> llama.cpp's name (convert_hf_to_gguf.py), for the qwen3moe GGUFs below
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+}
+
+
+def write_moe_gguf(checkpoint: Path, directory: Path, expert_type: str = "F32") -> tuple[Path, Path]:
+    """A qwen3_moe checkpoint as llama.cpp's converter writes it: arch ``qwen3moe``, its expert keys, each
+    projection of every expert one 3-D ffn_*_exps tensor stored as ``expert_type`` (F32 or a GGUF quant
+    type), the rest F32. Returns the GGUF and a Hugging Face checkpoint of exactly the weights it stores
+    (the experts' blocks dequantized), which transformers runs as the reference."""
+    import gguf
+    from gguf import GGMLQuantizationType as QT
+    from safetensors.numpy import save_file
+
+    from lse_core.model.files import load_hf
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    weights = {name: np.asarray(w, np.float32) for name, w in load_hf(str(checkpoint)).weights.items()}
+    n_layers, n_experts = config["num_hidden_layers"], config["num_local_experts"]
+    stored: dict[str, np.ndarray] = dict(weights)   # what the GGUF holds, in HF names
+    writer = gguf.GGUFWriter(str(directory / "model.gguf"), "qwen3moe")
+    metadata = {"block_count": n_layers, "context_length": config["max_position_embeddings"],
+                "embedding_length": config["hidden_size"], "feed_forward_length": config["intermediate_size"],
+                "head_count": config["num_attention_heads"], "head_count_kv": config["num_key_value_heads"],
+                "key_length": config["head_dim"], "value_length": config["head_dim"],
+                "rope_freq_base": config["rope_parameters"]["rope_theta"], "layer_norm_rms_eps": config["rms_norm_eps"],
+                "expert_count": n_experts, "expert_used_count": config["num_experts_per_tok"],
+                "expert_feed_forward_length": config["moe_intermediate_size"]}
+    for key, value in metadata.items():   # GGUFWriter's add_<key> writes qwen3moe.<its key>
+        getattr(writer, f"add_{key}")(value)
+    tokenizer = json.loads(train_tokenizer())
+    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
+    tokens = [token for token, _ in vocab] + [t["content"] for t in tokenizer["added_tokens"]
+                                              if t["content"] not in tokenizer["model"]["vocab"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    tensors = [("token_embd.weight", "model.embed_tokens.weight"), ("output_norm.weight", "model.norm.weight"),
+               ("output.weight", "lm_head.weight")]
+    for i in range(n_layers):
+        p = f"model.layers.{i}"
+        tensors += [(f"blk.{i}.{gguf_name}.weight", f"{p}.{hf_name}.weight") for hf_name, gguf_name
+                    in _GGUF_LAYER_NAMES.items() if f"{p}.{hf_name}.weight" in weights]
+        for proj in ("gate", "up", "down"):
+            if f"{p}.mlp.experts.0.{proj}_proj.weight" not in weights:
+                continue   # a dense layer
+            experts = [f"{p}.mlp.experts.{e}.{proj}_proj.weight" for e in range(n_experts)]
+            stacked = np.stack([stored.pop(name) for name in experts])
+            if expert_type != "F32":
+                blocks = gguf.quants.quantize(stacked, QT[expert_type])
+                writer.add_tensor(f"blk.{i}.ffn_{proj}_exps.weight", blocks, raw_dtype=QT[expert_type])
+                stacked = gguf.quants.dequantize(blocks, QT[expert_type]).reshape(stacked.shape)
+            else:
+                writer.add_tensor(f"blk.{i}.ffn_{proj}_exps.weight", stacked)
+            stored.update({name: np.ascontiguousarray(w) for name, w in zip(experts, stacked)})
+    for gguf_name, hf_name in tensors:
+        writer.add_tensor(gguf_name, weights[hf_name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reference = directory / "reference"
+    reference.mkdir(exist_ok=True)
+    for file in checkpoint.iterdir():
+        if file.suffix != ".safetensors":
+            (reference / file.name).write_bytes(file.read_bytes())
+    save_file(stored, str(reference / "model.safetensors"), metadata={"format": "pt"})
+    return directory / "model.gguf", reference

@@ -32,8 +32,10 @@ from .gguf_tokenizer import build_tokenizer
 from .model import QUANT_BLOCKS, Model, QuantTensor, Weight
 from .tokenizer import Tokenizer
 
-CACHE_FORMAT = 4   # part of the cache key: bump it whenever the header's content or its checks change
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+CACHE_FORMAT = 5   # part of the cache key: bump it whenever the header's content or its checks change
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
+# llama.cpp's architecture name -> config.json's model_type (the architecture file's name), where they differ
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ROPE_FACTORS = "rope_freqs.weight"   # Llama 3's rope scaling, as a divisor per frequency
 
@@ -55,6 +57,11 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixtures of experts: the router, and each projection of every expert as one [experts, out, in] tensor
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 # Gemma's sandwich norms: its ffn_norm is the pre-FFN norm.
 _GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
@@ -189,6 +196,10 @@ _METADATA_TYPES: dict[str, tuple[Any, str]] = {
     "{}.pooling_type": _INDEX,
     "{}.attention.sliding_window": _INDEX,
     "{}.attention.sliding_window_pattern": _WINDOW_PATTERN,
+    "{}.expert_count": _COUNT,
+    "{}.expert_used_count": _COUNT,
+    "{}.expert_feed_forward_length": _COUNT,
+    "{}.expert_weights_norm": _FLAG,
     "tokenizer.ggml.model": _STRING,
     "tokenizer.ggml.pre": _STRING,
     "tokenizer.ggml.tokens": _STRINGS,
@@ -238,12 +249,12 @@ def _config(meta: dict[str, Any], tensor_dims: dict[str, list[int]], path: str) 
     # refused before anything is sized by it (rope tables, say).
     widest = max((d for dims in tensor_dims.values() for d in dims), default=0)
     for width in ("embedding_length", "feed_forward_length", "attention.head_count", "attention.head_count_kv",
-                  "attention.key_length", "rope.dimension_count"):
+                  "attention.key_length", "rope.dimension_count", "expert_count", "expert_feed_forward_length"):
         if (key(width) or 0) > widest:
             raise StartupError(f"{path}: metadata {arch}.{width} is {key(width)}, more than any tensor "
                                f"dimension in the file ({widest})")
     config: dict[str, Any] = {
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "hidden_size": hidden,
         "intermediate_size": key("feed_forward_length"),
         "num_hidden_layers": key("block_count"),
@@ -273,6 +284,8 @@ def _config(meta: dict[str, Any], tensor_dims: dict[str, list[int]], path: str) 
         config["pooling_type"] = key("pooling_type")
     if arch == "gemma3":
         config |= _gemma3_config(config, key, path)
+    if arch == "qwen3moe":
+        config |= _qwen3moe_config(config, key, tensor_dims, path)
     return config
 
 
@@ -304,6 +317,26 @@ def _gemma3_config(config: dict[str, Any], key: Any, path: str) -> dict[str, Any
         "rope_local_base_freq": key("rope.freq_base_swa", 10000.0),
         "query_pre_attn_scalar": config["head_dim"],
         "hidden_activation": "gelu_pytorch_tanh",
+    }
+
+
+def _qwen3moe_config(config: dict[str, Any], key: Any, tensor_dims: dict[str, list[int]],
+                     path: str) -> dict[str, Any]:
+    """Qwen3-MoE's experts. llama.cpp always renormalises the chosen experts' weights (transformers reads
+    these files so too); a layer without a router (ffn_gate_inp) is a dense one."""
+    if key("expert_count") is None or key("expert_used_count") is None:
+        raise StartupError(f"{path}: metadata lacks qwen3moe.expert_count or qwen3moe.expert_used_count")
+    width = key("expert_feed_forward_length") or config["intermediate_size"]
+    if width is None:
+        raise StartupError(f"{path}: metadata lacks qwen3moe.expert_feed_forward_length")
+    return {
+        "num_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "moe_intermediate_size": width,
+        "intermediate_size": config["intermediate_size"] or width,
+        "norm_topk_prob": key("expert_weights_norm", True),
+        "mlp_only_layers": [i for i in range(config["num_hidden_layers"])
+                            if f"blk.{i}.ffn_gate_inp.weight" not in tensor_dims],
     }
 
 
@@ -348,6 +381,8 @@ def _tensor(raw: np.ndarray, qtype: str, shape: tuple[int, ...]) -> Weight:
     rows, cols = int(np.prod(shape[:-1])), shape[-1]
     block_bytes, block_values = QUANT_BLOCKS[qtype]
     quant = QuantTensor(qtype, raw.reshape(rows, cols // block_values * block_bytes), (rows, cols))
+    if len(shape) == 3:   # experts' matrices [experts, out, in]: each expert's rows back to back
+        return QuantTensor(qtype, quant.data, shape)
     return quant if len(shape) == 2 else quant.dequantize().reshape(shape)
 
 

@@ -26,11 +26,12 @@ QUANT_BLOCKS: dict[str, tuple[int, int]] = {
 class QuantTensor:
     """A 2-D weight kept in its GGUF block layout: row r of the logical [rows, cols] matrix is
     ``data[r]``, the row's blocks back to back. Devices with quantized kernels read the blocks
-    directly; others call ``dequantize`` once at load."""
+    directly; others call ``dequantize`` once at load. A mixture's experts are one 3-D weight
+    [experts, out, in] whose rows are every expert's [out, in] rows, expert after expert."""
 
     qtype: str
     data: np.ndarray               # uint8 [rows, bytes_per_row]
-    shape: tuple[int, int]         # logical [out, in], HF layout
+    shape: tuple[int, ...]         # logical [out, in], HF layout (or [experts, out, in])
 
     def dequantize(self) -> np.ndarray:
         from gguf import GGMLQuantizationType, quants

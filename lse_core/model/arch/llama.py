@@ -12,6 +12,7 @@ attention and MLP output before it is added, and the logits (ModelArgs).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,11 +185,14 @@ def mlp_block(b: GraphBuilder, args: ModelArgs, i: int, x: str, activation: str 
     return b.linear(mixed, f"{p}.down_proj", shape[::-1], f"l{i}.mlp_out", i, args.mlp_bias, mlp="down")
 
 
+MlpBlock = Callable[[GraphBuilder, ModelArgs, int, str], str]
+
+
 def build(model: Model, *, qkv_bias: bool | None = None, qk_norm: bool = False,
-          rope_layers: list[bool] | None = None) -> ir.Graph:
+          rope_layers: list[bool] | None = None, mlp: MlpBlock = mlp_block) -> ir.Graph:
     """The forward graph. ``qkv_bias`` overrides config.json's attention_bias for q/k/v (Qwen2 always
     has them); ``qk_norm`` adds Qwen3's per-head norms; ``rope_layers`` says which layers rotate q and k
-    (all by default)."""
+    (all by default); ``mlp`` builds each layer's feed-forward block (a mixture of experts's, say)."""
     args = ModelArgs.from_config(model)
     b = GraphBuilder(model)
 
@@ -207,7 +211,7 @@ def build(model: Model, *, qkv_bias: bool | None = None, qk_norm: bool = False,
         h = b.emit("add", (h, residual(attn, i)), f"l{i}.h_attn", (), i)
         n = b.rms_norm(h, f"model.layers.{i}.post_attention_layernorm.weight", args.hidden_size,
                        args.rms_norm_eps, f"l{i}.mlp_norm", i)
-        h = b.emit("add", (h, residual(mlp_block(b, args, i, n), i)), f"l{i}.out", (), i)
+        h = b.emit("add", (h, residual(mlp(b, args, i, n), i)), f"l{i}.out", (), i)
     n = b.rms_norm(h, "model.norm.weight", args.hidden_size, args.rms_norm_eps, "final_norm", -1)
     if args.logits_scale != 1.0:  # the norm's output feeds only lm_head, which is linear
         b.weights["model.norm.weight"] = (np.asarray(b.weights["model.norm.weight"], np.float32)
