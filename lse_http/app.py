@@ -167,19 +167,24 @@ async def messages(request: Request) -> Response:
 
 
 async def embeddings(request: Request) -> Response:
-    """Blocks a worker thread until the vectors are done; a client that goes first cancels them."""
     body = await _read_json(request)
-    cancel = threading.Event()
     with await _lease(request, body) as lse:
-        work = asyncio.ensure_future(run_in_threadpool(_embeddings_json, lse, body, cancel))
-        gone = asyncio.ensure_future(_disconnected(request.receive))
-        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
-        if not work.done():
-            cancel.set()
-            with contextlib.suppress(LSEError):
-                await work
-            return _client_gone(request)
+        return await json_in_thread(request, functools.partial(_embeddings_json, lse, body))
+
+
+async def json_in_thread(request: Request, build: Callable[[threading.Event], bytes]) -> Response:
+    """The JSON answer ``build`` makes in a worker thread (the vectors of /v1/embeddings and lse_http.ollama's
+    /api/embed); a client that goes first sets the event ``build`` was given, which cancels its work."""
+    cancel = threading.Event()
+    work = asyncio.ensure_future(run_in_threadpool(build, cancel))
+    gone = asyncio.ensure_future(_disconnected(request.receive))
+    await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if not work.done():
+        cancel.set()
+        with contextlib.suppress(LSEError):
+            await work
+        return _client_gone(request)
     return Response(work.result(), media_type="application/json")
 
 
@@ -617,11 +622,15 @@ def _dumps(data: Any) -> bytes:
 
 
 def _embeddings_json(lse: api.LSE, body: Any, cancel: threading.Event) -> bytes:
-    """/v1/embeddings' answer as JSON, made in the worker thread a vector at a time: one dump of thousands of
-    vectors would hold the GIL, and with it the engine and every stream, for a second or more."""
-    answer = api.lse_embeddings(lse, body, cancel)
-    vectors = b",".join([_dumps(item) for item in answer.pop("data")])
-    return _dumps(answer)[:-1] + b',"data":[' + vectors + b"]}"
+    return dumps_by_item(api.lse_embeddings(lse, body, cancel), "data")
+
+
+def dumps_by_item(answer: dict[str, Any], key: str) -> bytes:
+    """``answer`` as JSON, its list under ``key`` (written last) dumped an item at a time: one dump of thousands
+    of vectors would hold the GIL, and with it the engine and every stream, for a second or more."""
+    items = b",".join([_dumps(item) for item in answer.pop(key)])
+    head = _dumps(answer)[:-1]
+    return head + (b"," if answer else b"") + _dumps(key) + b":[" + items + b"]}"
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -7,10 +7,11 @@ the files lse-server was given: /api/pull and the other model management answer 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import AsyncIterator
 from importlib.metadata import version
-from typing import Literal
+from typing import Any, Literal
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -20,7 +21,7 @@ from starlette.routing import Route
 from lse_core import api
 from lse_core.adapters import ollama
 from lse_core.model_set import ModelSet, requested_model
-from lse_http.app import StreamEvents, _dumps, _json, _lease, _models, _read_json, answer
+from lse_http.app import StreamEvents, _dumps, _json, _lease, _models, _read_json, answer, dumps_by_item, json_in_thread
 
 NDJSON = "application/x-ndjson"
 
@@ -65,20 +66,27 @@ async def _ndjson(event: api.Event, events: StreamEvents) -> AsyncIterator[bytes
 
 
 async def embed(request: Request) -> Response:
-    """/api/embed, and the legacy /api/embeddings (one prompt, one vector)."""
+    """/api/embed, and the legacy /api/embeddings (one prompt, one vector), answered as /v1/embeddings is: made in
+    a worker thread, and cancelled when the client goes."""
     body = await _read_json(request)
     legacy = request.url.path == "/api/embeddings"
     keep_alive = ollama.keep_alive(body)
     start = time.monotonic_ns()
     with await _lease(request, body) as lse:
-        vectors_body, warnings = ollama.embeddings_body(body, legacy, lse.context_length)
-        empty = legacy and not vectors_body["input"]   # an empty prompt gets no vector, as Ollama answers it
-        vectors = None if empty else await run_in_threadpool(api.lse_embeddings, lse, vectors_body)
+        response = await json_in_thread(request, functools.partial(_embed_json, lse, body, legacy, start))
         model_id = lse.model_id
-    _keep_alive(request, model_id, keep_alive)
+    if response.status_code == 200:
+        _keep_alive(request, model_id, keep_alive)
+    return response
+
+
+def _embed_json(lse: api.LSE, body: Any, legacy: bool, start_ns: int, cancel: threading.Event) -> bytes:
+    vectors_body, warnings = ollama.embeddings_body(body, legacy, lse.context_length)
     if legacy:
-        return _json(ollama.embedding_response(vectors))
-    return _json(ollama.embed_response(vectors, model_id, start, warnings))
+        empty = not vectors_body["input"]   # an empty prompt gets no vector, as Ollama answers it
+        return _dumps(ollama.embedding_response(None if empty else api.lse_embeddings(lse, vectors_body, cancel)))
+    vectors = api.lse_embeddings(lse, vectors_body, cancel)
+    return dumps_by_item(ollama.embed_response(vectors, lse.model_id, start_ns, warnings), "embeddings")
 
 
 def _listed(models: ModelSet) -> list[tuple[ollama.ListedModel, str | None, api.LSE | None]]:

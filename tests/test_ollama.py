@@ -23,6 +23,7 @@ import httpx
 import jsonschema
 import ollama
 import pytest
+from test_embeddings import busy
 from test_responses import SMALL_SCHEMA, chat, prompt_tokens
 from test_server import API_KEY, CHAT_TEMPLATE, HELLO, Server, lse_server
 from test_thinking_e2e import QWEN3, scripted_thinking, thinking_checkpoint
@@ -136,6 +137,25 @@ def test_embed(client: ollama.Client, http: httpx.Client, model: str) -> None:
     assert client.embed(model=model, input=inputs[0], dimensions=8).embeddings[0] == pytest.approx(
         http.post("/v1/embeddings", json={"model": model, "input": inputs[0], "dimensions": 8}).json()
         ["data"][0]["embedding"], abs=CLOSE)
+
+
+def test_a_client_that_leaves_cancels_its_embed(http: httpx.Client, server: Server, model: str) -> None:
+    """Many inputs, the connection closed soon after: the engine stops computing them and its slots free."""
+    status = f"/v1/lse/status?model={model}"
+    assert http.post("/api/embed", json={"model": model, "input": "Hi"}).status_code == 200   # the model open
+    before = http.get(status).json()["engine"]["steps"]
+    with server.client() as leaving, pytest.raises(httpx.ReadTimeout):
+        leaving.post("/api/embed", json={"model": model, "input": ["Hello there " * 15] * 2000}, timeout=0.5)
+    deadline = time.monotonic() + 10
+    # a batch can have finished and the next not yet been admitted (running 0, waiting > 0)
+    while busy(engine := http.get(status).json()["engine"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine["running"] == engine["waiting"] == 0 and engine["free_slots"] == engine["slots"]
+    time.sleep(0.3)
+    assert http.get(status).json()["engine"]["steps"] == engine["steps"]   # nothing more computed
+    assert engine["steps"] - before < 1000    # far from the 1000 steps the inputs need, two at a time
+    metrics = http.get("/metrics").text
+    assert f'lse_requests_total{{model="{model}",endpoint="embeddings",outcome="error_499"}} 1' in metrics
 
 
 def test_models(client: ollama.Client, http: httpx.Client, served: dict[str, Any], model: str) -> None:
