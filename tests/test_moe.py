@@ -1,7 +1,8 @@
-"""Mixtures of experts: the routing and expert ops on the CPU interpreter against plain loops, Qwen3-MoE
-from a Hugging Face directory and from GGUFs as llama.cpp writes them giving transformers' greedy ids on
-cpu:0 and jit:0, and a device without the expert kernels (jit:0 today, the example plugin) falling back to
-the interpreter per group, counted, or refusing under --no-cpu-fallback."""
+"""Mixtures of experts: the routing and expert ops on the CPU interpreter against plain loops and on jit:0
+against the interpreter (quantized experts read in place), Qwen3-MoE from a Hugging Face directory and from
+GGUFs as llama.cpp writes them giving transformers' greedy ids on cpu:0 and jit:0, and a device without the
+expert kernels (the example plugin) falling back to the interpreter per group, counted, or refusing under
+--no-cpu-fallback."""
 
 from __future__ import annotations
 
@@ -90,6 +91,40 @@ def test_combine_weighs_and_sums_the_slots():
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_jit_expert_linear_reads_quantized_experts_in_place(qtype, per_slot):
+    """Each chosen expert's rows of the laid-out blocks meet the rows routed to it, as jit:0's quantized linears
+    do (test_quant_kernels: exact for the activations as the tiles see them), plus the expert's bias: steps of
+    one token, a few, and a prefill's."""
+    from test_quant_kernels import gguf_weight, seen_by_kernels
+
+    from lse_backends.jit import JitDevice, quant
+    from lse_core.model.model import QuantTensor
+
+    n_experts, width, in_width, k = 6, 16, 256, 2
+    blocks, dense = gguf_weight(qtype, n_experts * width, in_width)
+    weights = {"w": QuantTensor(qtype, blocks, (n_experts, width, in_width)),
+               "b": RNG.standard_normal((n_experts, width)).astype(np.float32)}
+    dense = dense.reshape(n_experts, width, in_width)
+    node = ir.Node("expert_linear", ("x", "routes"), "y", ("w", "b"), {"k": k, "mlp": "down"})
+    # a Q4_K_M model's types: the linear_pairs test_quant_kernels compiles too
+    ctx = CompileContext(4, 64, 40, weight_types=frozenset({"Q4_K", "Q6_K", "Q8_0", "Q5_0"}))
+    kernel = JitDevice().compile(FusedGroup(0, (node,), node.inputs, (node.output,), node.params), weights, ctx)
+    for n in (1, 3, 20):
+        ids = np.array([[2, 5], [5, 2]] * n)[:n]   # slots swap row by row: expert 2 meets every row
+        routes = np.concatenate([ids, np.full((n, k), 0.5)], axis=1).astype(np.float32)
+        x = RNG.standard_normal((n, k * in_width if per_slot else in_width)).astype(np.float32)
+        got = kernel([x, routes], make_step([(0, [0] * n, 0)]))[0].reshape(n, k, width)
+        x3 = x.reshape(n, -1, in_width)
+        for e in (2, 5):
+            rows, slots = np.nonzero(ids == e)
+            routed = x3[rows, slots if per_slot else 0]
+            seen = seen_by_kernels(qtype, routed, quant.WIDE_PREFILL | quant.WIDE_DECODE).astype(np.float64)
+            expected = seen @ dense[e].T.astype(np.float64) + weights["b"][e]
+            assert np.abs(got[rows, slots] - expected).max() <= 1e-5 * np.abs(expected).max(), (n, e)
+
+
 # --- Qwen3-MoE against transformers ------------------------------------------------------------
 
 
@@ -113,7 +148,8 @@ def greedy(plan: Plan, prompt: list[int], n_new: int, chunk: int) -> list[int]:
 
 
 def plan_on(model, device_name: str, causes: list[str] | None = None) -> Plan:
-    """cpu:0 alone, or jit:0 with the interpreter taking (and counting) the groups it has no kernel for."""
+    """cpu:0 alone, or jit:0 with the interpreter taking (and counting, in ``causes``) any group it has no
+    kernel for."""
     cpu = CPUDevice()
     if device_name == "cpu:0":
         return Plan.build(build_graph(model), [cpu], CTX, fallback_device=cpu)
@@ -171,15 +207,15 @@ def test_more_experts_per_token_than_experts_is_a_startup_error(tiny_checkpoint,
 # --- devices without the expert kernels --------------------------------------------------------
 
 
-def test_jit_falls_back_per_expert_group_and_counts_each(tiny_checkpoint):
+def test_jit_runs_every_expert_group_itself(tiny_checkpoint):
     model = load_hf(str(tiny_checkpoint("qwen3_moe")))
     causes: list[str] = []
     plan = plan_on(model, "jit:0", causes)
-    fallen = [p.group.describe() for p in plan.placements if p.fallback_cause]
-    assert [g.split(": ")[1] for g in fallen] == ["moe_route)", "expert_linear)", "expert_linear)",
-                                                  "expert_linear)", "moe_combine)"] * 2   # layers 0 and 2
+    expert_groups = [p for p in plan.placements if p.group.ops[0] in ir.MOE_OPS]
+    assert len(expert_groups) == 10   # five a mixture, layers 0 and 2
+    assert all(p.device.info.name == "jit:0" and p.fallback_cause is None for p in expert_groups)
     plan.run(make_step([(0, [5, 6, 7], 0)], greedy_sampling(1)))
-    assert len(causes) == len(fallen) and all("jit:0: no kernel for" in c for c in causes)
+    assert causes == []
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import numpy as np
 from lse_core.devices.hookspec import Backend, CompileContext, Device, DeviceInfo, Kernel, hookimpl
 from lse_core.devices.host_memory import HugePageArena, sparse_zeros
 from lse_core.graph.fuse import FusedGroup
-from lse_core.graph.ir import SAMPLING_OP_NEEDED, Node, Step, rope_cos_sin
+from lse_core.graph.ir import MOE_OPS, SAMPLING_OP_NEEDED, Node, Step, rope_cos_sin
 
 try:
     import numba
@@ -25,7 +25,7 @@ else:
     from . import cache
 
     cache.install()  # before any function of the package is cached: keyed by all of its sources
-    from . import attention, codegen, program, quant, vector
+    from . import attention, codegen, moe, program, quant, vector
     from .program import ATTENTION, EMBED, EMBED_Q, FUSED, LAST_ROWS, LINEAR, LINEAR_Q, RMS_NORM, ROPE, Instruction
 
 log = logging.getLogger("lse")
@@ -75,6 +75,8 @@ class JitDevice(Device):
     def compile(self, group: FusedGroup, weights: Mapping[str, Any], ctx: CompileContext) -> Kernel | str:
         if group.sampling_op is not None:
             return _sampling_kernel(group, ctx)
+        if group.nodes[0].op in MOE_OPS:
+            return moe.compile_group(self, group, weights, ctx)
         kinds = quant.kinds_mask(ctx.weight_types)   # the model's: one linear_pairs for all its programs
         program.second_compile(kinds)   # a cold cache: the program kernels' share of a second process starts now
         if codegen.unsupported(group) is None:
