@@ -148,7 +148,7 @@ async def completions(request: Request) -> Response:
 
 
 async def responses(request: Request) -> Response:
-    return await _complete(request, functools.partial(api.lse_api_request, api="responses"), typed=True)
+    return await _complete(request, functools.partial(api.lse_api_request, api="responses"), _responses_sse)
 
 
 async def compact_responses(request: Request) -> Response:
@@ -163,7 +163,7 @@ async def stored_response(request: Request) -> Response:
 
 
 async def messages(request: Request) -> Response:
-    return await _complete(request, functools.partial(api.lse_api_request, api="messages"), typed=True)
+    return await _complete(request, functools.partial(api.lse_api_request, api="messages"), _typed_sse)
 
 
 async def embeddings(request: Request) -> Response:
@@ -198,17 +198,17 @@ StartRequest = Callable[[api.LSE, Any, Callable[[api.Event], None]], api.Request
 StreamWriter = Callable[[api.Event, "StreamEvents"], AsyncIterator[bytes]]   # a stream's bytes from its events
 
 
-async def _complete(request: Request, start: StartRequest, typed: bool = False) -> Response:
+async def _complete(request: Request, start: StartRequest, writer: StreamWriter | None = None) -> Response:
     """Start the request on the engine; answer with its JSON, or stream its events as SSE: OpenAI's chat
-    chunks as ``data:`` lines ending in [DONE], or (``typed``) the typed events of the Responses and
-    Messages APIs.
+    chunks as ``data:`` lines ending in [DONE], or the typed events of the Responses and Messages APIs
+    (``writer``).
 
     A stream's response starts only at the first event, so an error found before any token (a bad
     field, a prompt that fills the context, a full queue) keeps its own HTTP status; a request that failed
     (500: CPU fallback refused) is an error in its stream all the same (api.error_in_stream)."""
     body = await _read_json(request)
     stream = isinstance(body, dict) and body.get("stream") is True
-    return await answer(request, body, start, stream, _typed_sse if typed else _sse)
+    return await answer(request, body, start, stream, writer or _sse)
 
 
 async def answer(request: Request, body: Any, start: StartRequest, stream: bool, writer: StreamWriter,
@@ -330,9 +330,15 @@ async def _sse(event: api.Event, events: StreamEvents) -> AsyncIterator[bytes]:
     while event.kind == api.EVENT_TOKEN:
         yield _sse_event(event.data)
         event = await events.get()
-    for chunk in event.data if event.kind == api.EVENT_END else [event.data]:
+    for chunk in closing_events(event):
         yield _sse_event(chunk)
     yield SSE_DONE
+
+
+def closing_events(event: api.Event) -> list[Any]:
+    """The events that end a stream: an end's closing events, or its error's (one event, or the Responses API's
+    error and response.failed)."""
+    return event.data if isinstance(event.data, list) else [event.data]
 
 
 def _sse_event(data: Any) -> bytes:
@@ -340,12 +346,19 @@ def _sse_event(data: Any) -> bytes:
 
 
 async def _typed_sse(event: api.Event, events: StreamEvents) -> AsyncIterator[bytes]:
-    """Each stream event, then the closing ones (or an error event); these APIs send no [DONE]."""
+    """Each stream event, then the closing ones (or the error's); the Messages API sends no [DONE]."""
     while event.kind == api.EVENT_TOKEN:
         yield _typed_sse_event(event.data)
         event = await events.get()
-    for data in event.data if event.kind == api.EVENT_END else [event.data]:
+    for data in closing_events(event):
         yield _typed_sse_event(data)
+
+
+async def _responses_sse(event: api.Event, events: StreamEvents) -> AsyncIterator[bytes]:
+    """The typed events, then ``data: [DONE]``: Open Responses makes it a stream's terminal event."""
+    async for chunk in _typed_sse(event, events):
+        yield chunk
+    yield SSE_DONE
 
 
 def _typed_sse_event(data: dict[str, Any]) -> bytes:
@@ -358,7 +371,9 @@ def stream_error_bytes(path: str, error: LSEError, events_sent: int) -> bytes:
     engine's own in-stream errors are (lse_ray's ingress, when the replica serving it is lost)."""
     api_name = _api_of(path)
     event = api.lse_stream_error(error, api_name, events_sent)
-    return _sse_event(event) + SSE_DONE if api_name == "chat" else _typed_sse_event(event)
+    if api_name == "chat":
+        return _sse_event(event) + SSE_DONE
+    return _typed_sse_event(event) + (SSE_DONE if api_name == "responses" else b"")
 
 
 def _api_of(path: str) -> str:
@@ -442,10 +457,11 @@ async def _socket_response(websocket: WebSocket, message: str, closed: asyncio.E
         with anyio.CancelScope() as stalled:
             events.on_stall = stalled.cancel   # a client that reads nothing: stop sending, and close
             while (event := await _event_unless_closed(events, closed)) is not None:
-                if event.kind == api.EVENT_ERROR and "type" not in event.data:   # refused before its stream
+                # refused before its stream: an error body (a failed stream's events come as a list)
+                if event.kind == api.EVENT_ERROR and not isinstance(event.data, list):
                     await _send(websocket, responses_api.websocket_error_event(event.data, event.status))
                     return
-                for data in event.data if event.kind == api.EVENT_END else [event.data]:
+                for data in closing_events(event):
                     await _send(websocket, data)
                 if event.kind != api.EVENT_TOKEN:
                     return

@@ -21,7 +21,18 @@ from starlette.routing import Route
 from lse_core import api
 from lse_core.adapters import ollama
 from lse_core.model_set import ModelSet, requested_model
-from lse_http.app import StreamEvents, _dumps, _json, _lease, _models, _read_json, answer, dumps_by_item, json_in_thread
+from lse_http.app import (
+    StreamEvents,
+    _dumps,
+    _json,
+    _lease,
+    _models,
+    _read_json,
+    answer,
+    closing_events,
+    dumps_by_item,
+    json_in_thread,
+)
 
 NDJSON = "application/x-ndjson"
 
@@ -61,7 +72,7 @@ async def _ndjson(event: api.Event, events: StreamEvents) -> AsyncIterator[bytes
     while event.kind == api.EVENT_TOKEN:
         yield _dumps(event.data) + b"\n"
         event = await events.get()
-    for data in event.data if event.kind == api.EVENT_END else [event.data]:
+    for data in closing_events(event):
         yield _dumps(data) + b"\n"
 
 

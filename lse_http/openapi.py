@@ -99,16 +99,19 @@ def completion_path(summary: str, request: str, response: str, chunk: str) -> di
             **ERRORS}}}
 
 
-def typed_stream_path(summary: str, request: str, response: str, event: str,
-                      errors: dict[str, Any] = ERRORS) -> dict[str, Any]:
+def typed_stream_path(summary: str, request: str, response: str, event: str, errors: dict[str, Any] = ERRORS,
+                      failed: str = "an error event", done: bool = False) -> dict[str, Any]:
+    """A path whose stream is typed events; one that fails after streaming began ends with ``failed``, and
+    (``done``) every stream with `data: [DONE]`."""
+    ending = ", then `data: [DONE]`" if done else ""
     return {"post": {
         "summary": summary,
         "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
         "responses": {
             "200": {"description": f"a {response}, or with stream: true server-sent events `event: <type>` and "
-                                   f"`data: <{event}>` (an error after streaming began is an error event)",
+                                   f"`data: <{event}>` (an error after streaming began is {failed}){ending}",
                     "content": {"application/json": {"schema": ref(response)},
-                                "text/event-stream": sse(ref(event))}},
+                                "text/event-stream": sse(ref(event), done)}},
             **errors}}}
 
 
@@ -162,7 +165,8 @@ OPENAPI: dict[str, Any] = {
         "/v1/completions": completion_path("Text completion", "CompletionRequest", "TextCompletion",
                                            "TextCompletionChunk"),
         "/v1/responses": typed_stream_path("OpenAI Responses", "ResponsesRequest", "Response",
-                                           "ResponseStreamEvent"),
+                                           "ResponseStreamEvent", failed="an error event and response.failed",
+                                           done=True),
         "/v1/responses/compact": post("Compact a conversation: its user messages and the model's summary of it, "
                                       "the next request's input", "CompactRequest", "Compaction"),
         "/v1/responses/{response_id}": {

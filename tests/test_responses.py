@@ -23,7 +23,7 @@ import openai
 import pytest
 from referencing import Registry
 from referencing.jsonschema import DRAFT202012
-from test_server import CHAT_TEMPLATE, HELLO, Server, lse_server, validate
+from test_server import CHAT_TEMPLATE, HELLO, HRX, Server, lse_server, typed_sse_events, validate
 from test_thinking_e2e import QWEN3, scripted_thinking, thinking_checkpoint
 from test_tool_calls import CALL, TOOLS, scripted, tool_checkpoint
 
@@ -69,9 +69,13 @@ def validate_stream(events: list[dict[str, Any]]) -> None:
 
 
 def sse_stream(http: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A streamed response's events, each named by its type; the stream ends with data: [DONE], as Open Responses
+    requires."""
     with http.stream("POST", "/v1/responses", json=body | {"stream": True}) as response:
         assert response.status_code == 200, response.read()
-        return [json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: ")]
+        *events, done = typed_sse_events(response)
+    assert done == ("", "[DONE]") and all(name == data["type"] for name, data in events)
+    return [data for _, data in events]
 
 
 @pytest.fixture(scope="module")
@@ -264,6 +268,22 @@ def test_open_responses_object_and_events(http: httpx.Client) -> None:
     open_responses_validate(completed, schema("ResponseResource"))
 
 
+def test_a_failed_stream_ends_with_response_failed(tiny_checkpoint) -> None:
+    """A streamed request that fails (CPU fallback refused) sends its error event, then response.failed with the
+    response failed and the error, then [DONE], each event valid against Open Responses; the SDK raises the error."""
+    model = tiny_checkpoint("qwen3", chat_template=CHAT_TEMPLATE)
+    options = ("--kv-len", str(KV_LEN), "--pool", "hrx:0", "--no-cpu-fallback")
+    with lse_server(model, *options, env=HRX) as server, server.client() as http:
+        error, failed = sse_stream(http, {"input": QUESTION, "max_output_tokens": 3})
+        validate_stream([error, failed])
+        assert error["type"] == "error" and error["message"].startswith("CPU fallback disabled: ")
+        assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+        assert failed["response"]["error"] == error["error"] | {"code": "server_error"}   # Open Responses: a code
+        validate(failed, "ResponseStreamEvent", http.get("/openapi.json").json())
+        with pytest.raises(openai.APIError, match="^CPU fallback disabled: "):
+            list(server.openai().responses.create(input=QUESTION, max_output_tokens=3, stream=True))
+
+
 def test_operator_cap_names_max_tokens(http: httpx.Client) -> None:
     """The spec: a request above lse-server --max-tokens gets 400 with param max_tokens, whatever the API."""
     response = http.post("/v1/responses", json={"input": QUESTION, "max_output_tokens": MAX_TOKENS + 1})
@@ -311,8 +331,7 @@ def test_openapi_describes_the_replies(http: httpx.Client) -> None:
             "tools": FUNCTION_TOOLS, "reasoning": {"effort": "none"}}
     validate(body, "ResponsesRequest", doc)
     validate(http.post("/v1/responses", json=body).json(), "Response", doc)
-    with http.stream("POST", "/v1/responses", json=body | {"stream": True}) as response:
-        events = [json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: ")]
+    events = sse_stream(http, body)
     for event in events:
         validate(event, "ResponseStreamEvent", doc)
     validate(events[-1]["response"], "Response", doc)

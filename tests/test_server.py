@@ -466,13 +466,15 @@ def test_cpu_fallback_is_reported(checkpoint: Path) -> None:
                      log, re.MULTILINE), log
 
 
-def typed_sse_events(response: httpx.Response) -> list[tuple[str, dict]]:
-    """Each ``event:`` name and its ``data:`` of a Responses or Messages stream."""
+def typed_sse_events(response: httpx.Response) -> list[tuple[str, dict | str]]:
+    """Each ``event:`` name and its ``data:`` of a Responses or Messages stream (the Responses API's closing
+    ``data: [DONE]`` has no name: ("", "[DONE]"))."""
     events = []
     for block in response.read().decode().split("\n\n"):
         if block:
-            name, data = block.split("\n")
-            events.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+            name, _, data = block.rpartition("\n")
+            data = data.removeprefix("data: ")
+            events.append((name.removeprefix("event: "), data if data == "[DONE]" else json.loads(data)))
     return events
 
 
@@ -495,9 +497,11 @@ def test_cpu_fallback_refused(checkpoint: Path) -> None:
                                              "messages": HELLO, "max_tokens": 3, "stream": True})]:
             with http.stream("POST", path, json=body) as response:
                 assert response.status_code == 200, response.read()
-                ((name, data),) = typed_sse_events(response)
+                (name, data), *closing = typed_sse_events(response)
             message = data["message"] if path == "/v1/responses" else data["error"]["message"]
             assert name == data["type"] == "error" and message.startswith(refused), data
+            # Open Responses: response.failed follows the error, and [DONE] ends the stream
+            assert [name for name, _ in closing] == (["response.failed", ""] if path == "/v1/responses" else [])
         assert http.get("/health").json() == {"status": "ok"}
         assert http.get("/v1/lse/status").json()["engine"]["cpu_fallback"]["allowed"] is False
 

@@ -177,5 +177,5 @@ class Translation(Protocol):
 
     def finish(self, end: CoreEnd) -> tuple[list[dict[str, Any]], dict[str, Any]]: ...
 
-    def stream_error(self, body: dict[str, Any], status: int) -> dict[str, Any]:
-        """The stream event that carries an error after the stream has started."""
+    def stream_error(self, body: dict[str, Any], status: int) -> dict[str, Any] | list[dict[str, Any]]:
+        """The stream event that carries an error after the stream has started (or the events, in order)."""

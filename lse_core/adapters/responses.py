@@ -369,7 +369,7 @@ def error_body(body: dict[str, Any], status: int) -> dict[str, Any]:
 # Declared once, as the TypedDicts below (lse_core.protocol's convention): the translation builds them and
 # /openapi.json takes their schemas. A TypedDict is a plain dict, so a stream event costs no validation.
 
-ResponseStatus = Literal["in_progress", "completed", "incomplete", "cancelled"]
+ResponseStatus = Literal["in_progress", "completed", "incomplete", "cancelled", "failed"]
 ItemStatus = Literal["in_progress", "completed"]
 Empty = Annotated[list[Any], Field(max_length=0)]    # annotations, logprobs, summaries: LSE makes none
 
@@ -463,7 +463,7 @@ class ResponseSnapshot(SamplingUsed):
     created_at: int
     completed_at: int | None            # when its status became completed
     status: ResponseStatus
-    error: None
+    error: ErrorDetail | None           # a failed response's error (its code never null, as Open Responses asks)
     incomplete_details: IncompleteDetails | None
     instructions: str | None
     max_output_tokens: int | None
@@ -598,14 +598,21 @@ class ResponseCancelledEvent(_Event):
 
 
 class ResponseErrorEvent(_Event):
-    """How a stream ends when its request fails after it began: the error's fields, as OpenAI sends them, and
-    the whole error under ``error``, as Open Responses does."""
+    """The error of a request that fails once its stream began: the error's fields, as OpenAI sends them, and
+    the whole error under ``error``, as Open Responses does. response.failed follows it."""
 
     type: Literal["error"]
     code: str | None
     message: str
     param: str | None
     error: ErrorDetail
+
+
+class ResponseFailedEvent(_Event):
+    """How a stream ends when its request fails: the response as it stood, its status failed, with the error."""
+
+    type: Literal["response.failed"]
+    response: ResponseSnapshot
 
 
 class WebSocketErrorEvent(TypedDict):
@@ -622,7 +629,7 @@ ResponseStreamEvent = TypeAliasType("ResponseStreamEvent", Annotated[
     | ResponseContentPartAddedEvent | ResponseContentPartDoneEvent | ResponseTextDeltaEvent | ResponseTextDoneEvent
     | ResponseReasoningTextDeltaEvent | ResponseReasoningTextDoneEvent | ResponseFunctionCallArgumentsDeltaEvent
     | ResponseFunctionCallArgumentsDoneEvent | ResponseCompletedEvent | ResponseIncompleteEvent
-    | ResponseCancelledEvent | ResponseErrorEvent, Field(discriminator="type")])
+    | ResponseCancelledEvent | ResponseErrorEvent | ResponseFailedEvent, Field(discriminator="type")])
 
 # a response's status once finished, by the core's stop_reason (any other: incomplete), and its last event
 ENDED: dict[str, ResponseStatus] = {"stop_token": "completed", "stop_sequence": "completed", "cancelled": "cancelled"}
@@ -779,12 +786,13 @@ class ResponsesTranslation:
                     "name": item["name"], "arguments": item["arguments"]}})
         return turn
 
-    def _snapshot(self, status: ResponseStatus, usage: ResponseUsage | None = None) -> ResponseSnapshot:
-        """The response object with OpenAI's fields: in progress (no usage yet), or finished."""
+    def _snapshot(self, status: ResponseStatus, usage: ResponseUsage | None = None,
+                  error: dict[str, Any] | None = None) -> ResponseSnapshot:
+        """The response object with OpenAI's fields: in progress (no usage yet), finished, or failed (``error``)."""
         req = self.req
         return ResponseSnapshot(
             id=self.id, object="response", created_at=self.created,
-            completed_at=int(time.time()) if status == "completed" else None, status=status, error=None,
+            completed_at=int(time.time()) if status == "completed" else None, status=status, error=error,
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
             instructions=req.instructions, max_output_tokens=req.max_output_tokens,
             max_tool_calls=req.max_tool_calls, model=self.model,
@@ -799,8 +807,12 @@ class ResponsesTranslation:
             metadata=req.metadata or {}, safety_identifier=req.safety_identifier,
             prompt_cache_key=req.prompt_cache_key, usage=usage)
 
-    def stream_error(self, body: dict[str, Any], status: int) -> ResponseErrorEvent:
-        return stream_error_event(body, status, self._next())
+    def stream_error(self, body: dict[str, Any], status: int) -> list[ResponseStreamEvent]:
+        """The events that end a stream whose request failed: the error, then response.failed, as Open Responses
+        says every error in a stream is followed."""
+        error = stream_error_event(body, status, self._next())
+        failed = self._snapshot("failed", error=error["error"] | {"code": error["code"] or error["error"]["type"]})
+        return [error, ResponseFailedEvent(type="response.failed", sequence_number=self._next(), response=failed)]
 
 
 def _usage(end: CoreEnd) -> ResponseUsage:
