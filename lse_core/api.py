@@ -26,6 +26,7 @@ from lse_core.devices.host_memory import return_large_blocks
 from lse_core.devices.registry import Registry, discover, open_devices, open_interpreter, resolve_pool
 from lse_core.engine.engine import Engine, EngineLoad
 from lse_core.engine.sequence import Delta, ReasoningBudget, SeqParams, Sequence
+from lse_core.engine.speculation import Speculation
 from lse_core.errors import LSEError, StartupError, invalid_request, model_not_found, server_error
 from lse_core.fallback import CPUFallback, FallbackLog
 from lse_core.graph.ir import Graph
@@ -129,7 +130,8 @@ def lse_open_or_raise(config: LSEConfig | dict[str, Any] | None = None) -> LSE:
     # the devices hold the weights as they lay them out: the file's pages go as each group compiles
     plan = Plan.build(graph, devices, ctx, interpreter, not refused, fallback.record, model.release_file_pages)
     _log_plan(plan)
-    engine = Engine(plan, model.tokenizer, config.parallel, config.max_queue, config.prefill_chunk)
+    speculation = None if config.spec_type == "none" else Speculation(config.draft_max, config.draft_min)
+    engine = Engine(plan, model.tokenizer, config.parallel, config.max_queue, config.prefill_chunk, speculation)
     grammars = structured.GrammarTokenizer(model.tokenizer, _logits_width(graph))
     return LSE(config, model, config.model_id or model_id(model.source), template, thinking, defaults,
                context_length, registry, devices, plan, engine, fallback, warnings, grammars)
@@ -275,7 +277,7 @@ def _start(lse: LSE, request: Request, body: Any) -> None:
         top_logprobs=req.top_logprobs if req.logprobs else None, splitter=splitter,
         # tool-call markers can be special tokens (Mistral's [TOOL_CALLS]): the parser must see them
         skip_special_tokens=tool_parser is None, reasoning_budget=_reasoning_budget(lse, req, splitter),
-        constraint=_constraint(lse, req, tool_parser, splitter))
+        constraint=_constraint(lse, req, tool_parser, splitter), speculative=req.speculative)
     reply = _ReplyBuilder(lse, request, req, prompt_text if req.echo else "", tool_parser)
     if params.max_new_tokens == 0:   # max_length leaves no room: an empty reply, no work
         reply.finish_empty(params)
@@ -317,7 +319,8 @@ class _ReplyBuilder:
             return
         prompt_n = len(seq.params.prompt) - seq.cached
         first = seq.t_first_token or seq.t_end
-        timings = protocol.Timings(prompt_n, _ms(first - seq.t_admit), len(seq.output), _ms(seq.t_end - first))
+        timings = protocol.Timings(prompt_n, _ms(first - seq.t_admit), len(seq.output), _ms(seq.t_end - first),
+                                   *((seq.draft_n, seq.draft_n_accepted) if seq.draft_n else ()))
         usage = protocol.Usage(len(seq.params.prompt), len(seq.output), seq.cached, seq.reasoning_tokens)
         lse.stats.record(api, seq.stop_reason, len(seq.params.prompt), seq.cached, len(seq.output),
                          seq.t_end - seq.t_submit, first - seq.t_submit)

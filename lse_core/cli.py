@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from lse_core.config import LSEConfig
+from lse_core.config import DEFAULT_DRAFT_MAX, SPEC_TYPES, LSEConfig
 
 SAMPLING_FLAGS = {  # flag -> request field
     "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
@@ -37,13 +37,36 @@ def add_engine_options(p: argparse.ArgumentParser, many_models: bool = False) ->
         p.add_argument(f"--cache-type-{part}", metavar="TYPE",
                        help=f"what the KV cache stores {'keys' if part == 'k' else 'values'} as: f16, q8_0 or f32 "
                             "(default: f16, or f32 on a device without f16, which startup reports)")
+    p.add_argument("--spec-type", choices=SPEC_TYPES, default="none",
+                   help="speculative decoding: ngram proposes the tokens that followed the reply's latest n-gram "
+                        "where it stands earlier in the prompt or reply, and one step checks them all (default: none)")
+    p.add_argument("--draft-max", type=_count, default=DEFAULT_DRAFT_MAX, metavar="N",
+                   help=f"most tokens proposed per step (default: {DEFAULT_DRAFT_MAX})")
+    p.add_argument("--draft-min", type=_count, default=0, metavar="N",
+                   help="a proposal of fewer tokens is not made (default: 0)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
+def _count(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} is negative")
+    return n
+
+
 def config_from_args(args: argparse.Namespace, **extra: Any) -> LSEConfig:
+    """The options as an LSEConfig; options that contradict each other end the program with the reason."""
+    try:
+        return _config(args, **extra)
+    except ValueError as e:
+        raise SystemExit(f"{sys.argv[0].rsplit('/', 1)[-1]}: {e}") from None
+
+
+def _config(args: argparse.Namespace, **extra: Any) -> LSEConfig:
     return LSEConfig(model=getattr(args, "model", None), kv_len=args.kv_len, pool=args.pool,
                      disable_cpu_fallback=args.no_cpu_fallback, deterministic=args.deterministic,
-                     cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, **extra)
+                     cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, spec_type=args.spec_type,
+                     draft_max=args.draft_max, draft_min=args.draft_min, **extra)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,11 @@ from typing_extensions import TypeAliasType
 KVCacheType = TypeAliasType("KVCacheType", Literal["f16", "q8_0", "f32"])
 KV_CACHE_TYPES: tuple[str, ...] = get_args(KVCacheType.__value__)
 
+# Speculative decoding, by llama-server's names: "none", or "ngram" (prompt lookup: the sequence's latest n-gram,
+# found earlier in its own prompt and reply, proposes the tokens that followed it there).
+SPEC_TYPES: tuple[str, ...] = ("none", "ngram")
+DEFAULT_DRAFT_MAX = 16   # tokens proposed per step at most, llama-server's --draft-max default
+
 
 @dataclass
 class LSEConfig:
@@ -31,6 +36,16 @@ class LSEConfig:
     # on a device without f16 (reported at startup); a type named here that a pool device lacks fails startup
     cache_type_k: str | None = None
     cache_type_v: str | None = None
+    spec_type: str = "none"           # one of SPEC_TYPES; a request's "speculative": false turns it off
+    draft_max: int = DEFAULT_DRAFT_MAX   # tokens proposed per step at most
+    draft_min: int = 0                # a shorter proposal is not made
+
+    def __post_init__(self) -> None:
+        if self.spec_type not in SPEC_TYPES:
+            raise ValueError(f"spec_type {self.spec_type!r} is none of {', '.join(SPEC_TYPES)}")
+        if not 0 <= self.draft_min <= self.draft_max:
+            raise ValueError(f"the draft's minimum {self.draft_min} and maximum {self.draft_max} must satisfy "
+                             "0 <= minimum <= maximum")
 
     @property
     def cpu_fallback_refused(self) -> bool:

@@ -34,7 +34,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, NotRequired
 
-from pydantic import Field, TypeAdapter, WithJsonSchema, computed_field
+from pydantic import ConfigDict, Field, TypeAdapter, WithJsonSchema, computed_field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from typing_extensions import TypedDict  # pydantic reads typing's TypedDict only from Python 3.12
 
@@ -78,6 +78,7 @@ class GenerationRequest:
     frequency_penalty: float | None = None
     seed: int | None = None
     ignore_eos: bool = False                        # vLLM's and llama.cpp's: end-of-turn tokens do not end it
+    speculative: bool = True                        # False: the server's speculative decoding stays off for it
     logprobs: bool = False
     top_logprobs: int = 0                           # alternatives per token, when logprobs
     echo: bool = False                              # completion: return the prompt before the reply
@@ -175,6 +176,7 @@ def _generation_request(checked_body: GenerationBody, body: dict[str, Any], endp
         frequency_penalty=checked_body.frequency_penalty,
         seed=checked_body.seed,
         ignore_eos=bool(checked_body.ignore_eos),
+        speculative=checked_body.speculative is not False,
         constraint=_output_constraint(checked_body),
     )
 
@@ -407,12 +409,23 @@ class Usage:
         return _USAGE.dump_python(self)
 
 
-@pydantic_dataclass(config=REPLY_PART)
+_DRAFT_COUNTERS = ("draft_n", "draft_n_accepted")
+
+
+def _drafts_optional(schema: dict[str, Any]) -> None:
+    """Timings' draft counters are sent only when the reply had proposals, as llama-server sends them."""
+    schema["required"] = [name for name in schema.get("required", []) if name not in _DRAFT_COUNTERS]
+
+
+@pydantic_dataclass(config=ConfigDict(**REPLY_PART, json_schema_extra=_drafts_optional))
 class Timings:
     prompt_n: Count            # prompt tokens computed (cached ones are not)
     prompt_ms: float
     predicted_n: Count
     predicted_ms: float
+    # speculative decoding, when it proposed tokens (llama-server's names): tokens proposed, and those kept
+    draft_n: Count | None = None
+    draft_n_accepted: Count | None = None
 
     @computed_field
     @property
@@ -425,7 +438,7 @@ class Timings:
         return _per_second(self.predicted_n, self.predicted_ms)
 
     def to_json(self) -> dict[str, Any]:
-        return _TIMINGS.dump_python(self)
+        return _TIMINGS.dump_python(self, exclude_none=True)
 
 
 @pydantic_dataclass

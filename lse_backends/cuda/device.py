@@ -288,8 +288,8 @@ class CUDADevice(Device):
 
         def run(args: Sequence[cupy.ndarray], step: Step) -> list[cupy.ndarray]:
             x = args[0]
-            out = cupy.empty((step.n_seqs, x.shape[1]), cupy.float32)
-            program.launch_elements(out.size, out, x, self.step_arrays.get(step, "sample_rows"), step.n_seqs,
+            out = cupy.empty((len(step.sample_rows), x.shape[1]), cupy.float32)
+            program.launch_elements(out.size, out, x, self.step_arrays.get(step, "sample_rows"), len(step.sample_rows),
                                     x.shape[1])
             return [out]
 

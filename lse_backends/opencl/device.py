@@ -277,8 +277,8 @@ class OpenCLDevice(Device):
             x = args[0]
             st = self._step_tensors(step)
             width = x.shape[1]
-            out = self.allocator.empty((step.n_seqs, width))
-            kernel(self.queue, (rounded(width, 64), step.n_seqs), None, out.buf, x.buf, st["sample_rows"].buf,
+            out = self.allocator.empty((len(step.sample_rows), width))
+            kernel(self.queue, (rounded(width, 64), len(step.sample_rows)), None, out.buf, x.buf, st["sample_rows"].buf,
                    width)
             return [out]
         return run

@@ -208,6 +208,7 @@ class GenerationBody(Body):
     frequency_penalty: Number | None = None
     seed: integer(0) | None = None
     ignore_eos: bool | None = Field(None, description="end-of-turn tokens do not end the reply")
+    speculative: bool | None = Field(None, description="false: no speculative decoding for this request")
     logit_bias: dict[str, Any] | None = Field(None, description="not supported: only an empty one is accepted")
     reasoning_effort: SkipValidation[str | None] = None
     thinking_level: SkipValidation[str | None] = None

@@ -14,6 +14,7 @@ from lse_core.adapters.common import Count
 from lse_core.engine.runner import Runner, sampling_arrays
 from lse_core.engine.scheduler import Scheduler
 from lse_core.engine.sequence import Delta, SeqParams, Sequence
+from lse_core.engine.speculation import Speculation
 from lse_core.errors import server_error
 from lse_core.graph.ir import PENALTY_WINDOW, SAMPLING_OP_NEEDED
 from lse_core.graph.plan import Plan
@@ -32,11 +33,12 @@ class EngineLoad(TypedDict):
 
 
 class Engine:
-    def __init__(self, plan: Plan, tokenizer, n_slots: int, max_queue: int, prefill_chunk: int) -> None:
+    def __init__(self, plan: Plan, tokenizer, n_slots: int, max_queue: int, prefill_chunk: int,
+                 speculation: Speculation | None = None) -> None:
         self.plan = plan
         self.tokenizer = tokenizer
         self.runner = Runner(plan)
-        self.scheduler = Scheduler(n_slots, max_queue, prefill_chunk)
+        self.scheduler = Scheduler(n_slots, max_queue, prefill_chunk, speculation=speculation)
         self._cond = threading.Condition()
         self._stopping = False
         self.steps = 0

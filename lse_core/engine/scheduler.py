@@ -17,6 +17,7 @@ import numpy as np
 
 from lse_core.engine.kv_slots import KVSlots
 from lse_core.engine.sequence import Sequence
+from lse_core.engine.speculation import MAX_SPECULATING_DECODES, Speculation
 from lse_core.errors import server_error
 
 # What a step with decodes may take, in seconds: the gap a running stream sees between two tokens is about one
@@ -108,12 +109,13 @@ def _nonnegative_fit(gram: np.ndarray, moment: np.ndarray) -> tuple[float, float
 
 class Scheduler:
     def __init__(self, n_slots: int, max_queue: int, prefill_chunk: int, step_target_s: float = STEP_TARGET_S,
-                 cost: StepCost | None = None) -> None:
+                 cost: StepCost | None = None, speculation: Speculation | None = None) -> None:
         self.slots = KVSlots(n_slots)
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
         self.step_target_s = step_target_s
         self.cost = cost or StepCost()
+        self.speculation = speculation
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -169,7 +171,26 @@ class Scheduler:
                 tokens_left -= n
                 chunked = True
                 batch.append((seq, n))
+        self._propose(batch, tokens_left)
         return batch
+
+    def _propose(self, batch: Batch, rows_left: int) -> None:
+        """Set each decoding sequence's draft for this step (lse_core.engine.speculation), within the rows the
+        step has left. None when many sequences decode: their step is bound by arithmetic, not weight reads."""
+        decoding = [seq for seq, n in batch if len(seq.tokens) - seq.computed == n == 1]
+        for seq in decoding:
+            seq.draft = []
+        if self.speculation is None or len(decoding) > MAX_SPECULATING_DECODES:
+            return
+        for seq in decoding:
+            params = seq.params
+            if not params.speculative or params.constraint is not None or seq.forced or rows_left <= 0:
+                continue
+            # the reply's last token comes from the step's final row: no proposal past max_new_tokens, and
+            # so none past the context (the engine admits no prompt + max_new_tokens beyond it)
+            room = min(rows_left, params.max_new_tokens - len(seq.output) - 1)
+            seq.draft = self.speculation.propose(seq, room) if room > 0 else []
+            rows_left -= len(seq.draft)
 
     def observe(self, batch: Batch, starts: list[int], seconds: float) -> None:
         """Take a step's measured time; ``starts`` are its sequences' context positions before it ran."""

@@ -54,6 +54,7 @@ class SeqParams:
     # embeddings: takes the final hidden rows of each prompt chunk computed (with max_new_tokens 0, no reply)
     on_hidden: Callable[[np.ndarray], None] | None = None
     constraint: Constraint | None = None       # structured output: the grammar the reply follows
+    speculative: bool = True                   # False: the engine never proposes tokens for it
 
 
 @dataclass
@@ -95,6 +96,10 @@ class Sequence:
         self.forced: list[int] = []   # tokens the engine appends next instead of sampling (the reasoning's end)
         self.reasoning_tokens = 0     # reply tokens written inside the reasoning block, its end marker included
         self.stop_string: str | None = None   # the stop string that ended the reply
+        self.draft: list[int] = []    # tokens proposed this step, checked as extra rows after the last token
+        self.draft_n = 0              # tokens proposed over the reply, and how many of them it kept
+        self.draft_n_accepted = 0
+        self.acceptance = 1.0         # moving average of the share of proposed tokens kept
 
     @property
     def tokens(self) -> list[int]:
@@ -108,8 +113,9 @@ class Sequence:
     def finished(self) -> bool:
         return self.stop_reason is not None
 
-    def recent(self) -> np.ndarray:
-        window = self.tokens[-PENALTY_WINDOW:]
+    def recent(self, then: list[int] | None = None) -> np.ndarray:
+        """The last PENALTY_WINDOW tokens (with ``then`` after them, when given), -1 padded."""
+        window = (self.tokens + (then or []))[-PENALTY_WINDOW:]
         out = np.full(PENALTY_WINDOW, -1, dtype=np.int32)
         out[: len(window)] = window
         return out
