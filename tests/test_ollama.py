@@ -25,7 +25,7 @@ import ollama
 import pytest
 from test_embeddings import busy
 from test_responses import SMALL_SCHEMA, chat, prompt_tokens
-from test_server import API_KEY, CHAT_TEMPLATE, HELLO, Server, lse_server
+from test_server import API_KEY, CHAT_TEMPLATE, HELLO, HRX, Server, lse_server
 from test_thinking_e2e import QWEN3, scripted_thinking, thinking_checkpoint
 from test_tool_calls import CALL, TOOLS, scripted, tool_checkpoint
 
@@ -303,6 +303,23 @@ def wait_until(condition: Any, timeout: float = 60) -> None:
 
 def test_the_server_still_serves_after_bad_input(client: ollama.Client, model: str) -> None:
     assert client.chat(model=model, messages=HELLO, options={"num_predict": 2}).eval_count >= 1
+
+
+def test_a_failed_stream_ends_with_an_error_line(tiny_checkpoint) -> None:
+    """A streamed request that fails (CPU fallback refused) is a 200 stream whose one line is the Ollama error
+    object, which the client raises; unstreamed, it is a 500 with that object."""
+    model = tiny_checkpoint("qwen3", chat_template=CHAT_TEMPLATE)
+    options = ("--kv-len", str(KV_LEN), "--pool", "hrx:0", "--no-cpu-fallback")
+    with lse_server(model, *options, env=HRX) as server, server.client() as http:
+        for path, body in (("/api/chat", {"messages": HELLO}), ("/api/generate", {"prompt": "Hi"})):
+            with http.stream("POST", path, json=body | {"options": {"num_predict": 3}}) as response:
+                [error] = lines(response)
+            assert error == ollama_error(http.post(path, json=body | {"stream": False}), 500, None, None)
+            assert error["type"] == "server_error" and error["error"].startswith("CPU fallback disabled: ")
+        with pytest.raises(ollama.ResponseError, match="CPU fallback disabled: "):
+            list(ollama.Client(host=server.url, headers={"Authorization": f"Bearer {API_KEY}"}).chat(
+                model=model.name, messages=HELLO, stream=True))
+        assert http.get("/health").json() == {"status": "ok"}
 
 
 # ---- the npm package ----
