@@ -59,6 +59,7 @@ PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-sr
             "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 SSE_DONE = b"data: [DONE]\n\n"
 STALL_TIMEOUT_S = 30.0    # a stream whose client reads nothing for this long is ended
+WEBSOCKET_IDLE_TIMEOUT_S = 300.0   # a Responses WebSocket that sends no message for this long is closed
 STREAM_HIGH_WATER = 64    # a stream's events waiting to be sent before its sequence is paused...
 STREAM_LOW_WATER = 8      # ...and resumed
 
@@ -76,13 +77,15 @@ class RunningRequests(set[api.Request]):
 def create_app(models: ModelSet, *, api_key: str | None = None,
                on_load_failure: Callable[[str], None] = lambda reason: None,
                max_body_bytes: int = MAX_BODY_BYTES, allowed_hosts: list[str] | None = None,
-               cors_origins: list[str] | None = None, stall_timeout: float = STALL_TIMEOUT_S) -> Starlette:
+               cors_origins: list[str] | None = None, stall_timeout: float = STALL_TIMEOUT_S,
+               websocket_idle_timeout: float = WEBSOCKET_IDLE_TIMEOUT_S) -> Starlette:
     """The lse-server app over ``models``. With one model, it opens at startup, in the background, and a
     failure calls ``on_load_failure`` with the one-line reason (lse-server exits 1 from there); with several,
     each opens when first asked for. ``allowed_hosts``: the Host names answered (None: any); ``cors_origins``:
     the origins whose pages may call the API (none by default, so the browser refuses every other site's
     page; see lse_http.browser); ``stall_timeout``: how long a stream may stay paused because its client
-    reads nothing (StreamEvents)."""
+    reads nothing (StreamEvents); ``websocket_idle_timeout``: how long a Responses WebSocket may send no message
+    while no response runs."""
 
     from lse_http.ollama import routes as ollama_routes  # it builds on this module's transport
 
@@ -125,6 +128,7 @@ def create_app(models: ModelSet, *, api_key: str | None = None,
     app.state.max_body_bytes = max_body_bytes
     app.state.running = RunningRequests()
     app.state.stall_timeout = stall_timeout
+    app.state.websocket_idle_timeout = websocket_idle_timeout
     app.state.cors_origins = cors_origins or []   # the pages that may also open the Responses WebSocket
     # the last added runs first: the Host check, then CORS (a preflight carries no API key), then the key
     if api_key:
@@ -390,7 +394,8 @@ async def responses_socket(websocket: WebSocket) -> None:
     ``type``, without ``stream`` or ``background``) runs one response, whose stream events come back as messages,
     as SSE would carry them; the next message waits for it. A message refused before its response's first event
     is answered with an ``error`` message carrying its HTTP status, and the connection stays open. Closing the
-    connection cancels the response running."""
+    connection cancels the response running; one that sends no message for the idle timeout while none runs is
+    closed (1000), so a silent client holds no socket."""
     if not _origin_allowed(websocket):
         error = LSEError(f"a page from {websocket.headers['origin']!r:.200} may not open this WebSocket; start "
                          "lse-server with --cors-origins to allow it", status=403, type="permission_error",
@@ -401,8 +406,17 @@ async def responses_socket(websocket: WebSocket) -> None:
     messages: asyncio.Queue[str | None] = asyncio.Queue()
     closed = asyncio.Event()
     reader = asyncio.ensure_future(_read_messages(websocket, messages, closed))
+    idle_timeout = websocket.app.state.websocket_idle_timeout
     try:
-        while not closed.is_set() and (message := await messages.get()) is not None:
+        while not closed.is_set():
+            try:
+                message = await asyncio.wait_for(messages.get(), idle_timeout)
+            except TimeoutError:
+                log.info("lse: closing a Responses WebSocket that sent no message in %g s", idle_timeout)
+                await websocket.close(1000, f"no message for {idle_timeout:g} s")
+                return
+            if message is None:
+                return
             try:
                 await _socket_response(websocket, message, closed)
             except LSEError as e:

@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds a connection may take to send a whole request's headers, counted from when it "
                         "opens or from its last answer; then it is closed, so connections that send nothing, or "
                         "a byte at a time, hold no socket (default: %(default)s)")
+    p.add_argument("--websocket-idle-timeout", type=float, default=300.0,
+                   help="seconds a Responses WebSocket may wait to send its next message, counted from when it "
+                        "opens or from its last response's end; then it is closed (default: %(default)s)")
     ray = p.add_argument_group("scale-out (Ray Serve; pip install 'lse[ray]'; see docs/scale-out.md)")
     ray.add_argument("--replicas", type=int, default=0,
                      help="serve through N engine replicas on Ray Serve behind this address (default: 0, one "
@@ -150,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve_replicas(args, config, {"api_key": args.api_key, "allowed_hosts": hosts,
                                              "cors_origins": args.cors_origins, "stall_timeout": args.stall_timeout})
     app = create_app(ModelSet(specs, config, policy), api_key=args.api_key, on_load_failure=startup_failed,
-                     allowed_hosts=hosts, cors_origins=args.cors_origins, stall_timeout=args.stall_timeout)
+                     allowed_hosts=hosts, cors_origins=args.cors_origins, stall_timeout=args.stall_timeout,
+                     websocket_idle_timeout=args.websocket_idle_timeout)
     protocol = functools.partial(HeaderTimeoutProtocol, header_timeout=args.header_timeout)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            http=protocol, timeout_keep_alive=args.timeout_keep_alive,
@@ -171,7 +175,8 @@ class HeaderTimeoutProtocol(AutoHTTPProtocol):
     """uvicorn's HTTP protocol, closing a connection that has not sent a whole request's headers
     ``header_timeout`` seconds after it opened or after its last answer. uvicorn's own keep-alive timer starts
     only after an answer and stops at the next byte, so a connection that sends nothing, or a byte now and
-    then (slowloris), would hold its socket for good."""
+    then (slowloris), would hold its socket for good. A connection upgraded to a WebSocket is the WebSocket's
+    from then on: the timer stops, and the app closes an idle one (--websocket-idle-timeout)."""
 
     def __init__(self, *args: Any, header_timeout: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -187,13 +192,20 @@ class HeaderTimeoutProtocol(AutoHTTPProtocol):
         self._wait_for_headers()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.header_timer is not None:
-            self.header_timer.cancel()
+        self._stop_waiting()
         super().connection_lost(exc)
 
-    def _wait_for_headers(self) -> None:
+    def handle_websocket_upgrade(self, *args: Any) -> None:
+        # the transport passes to the WebSocket's protocol: this one hears of no answer, nor of the connection's end
+        self._stop_waiting()
+        super().handle_websocket_upgrade(*args)
+
+    def _stop_waiting(self) -> None:
         if self.header_timer is not None:
             self.header_timer.cancel()
+
+    def _wait_for_headers(self) -> None:
+        self._stop_waiting()
         if not self.transport.is_closing():
             self.header_timer = self.loop.call_later(self.header_timeout, self._headers_late)
 
@@ -244,6 +256,8 @@ def _check_options(args: argparse.Namespace) -> str | None:
         return f"--timeout-keep-alive must be more than 0 seconds, got {args.timeout_keep_alive}"
     if args.header_timeout <= 0:
         return f"--header-timeout must be more than 0 seconds, got {args.header_timeout}"
+    if args.websocket_idle_timeout <= 0:
+        return f"--websocket-idle-timeout must be more than 0 seconds, got {args.websocket_idle_timeout}"
     if args.replicas < 0:
         return f"--replicas must be 0 (no Ray) or more, got {args.replicas}"
     if args.parallel < 1:

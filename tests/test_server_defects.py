@@ -10,12 +10,17 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import websockets.sync.client
+from test_responses_ws import ENDINGS
 from test_server import API_KEY, CHAT_TEMPLATE, HELLO, Server, free_port, lse_server, server_command
+from websockets.exceptions import ConnectionClosedOK
 
 IDLE_S = 1   # --header-timeout and --timeout-keep-alive of the module's server
+WEBSOCKET_IDLE_S = 3   # its --websocket-idle-timeout: past IDLE_S, so a WebSocket in use outlives the header timeout
 PATIENCE_S = 60   # how long a test waits for what it expects, on a loaded machine
 
 
@@ -27,7 +32,8 @@ def checkpoint(tiny_checkpoint) -> Path:
 @pytest.fixture(scope="module")
 def server(checkpoint: Path) -> Iterator[Server]:
     with lse_server(checkpoint, "--kv-len", "128", "--pool", "cpu:0", "--log-level", "info",
-                    "--header-timeout", str(IDLE_S), "--timeout-keep-alive", str(IDLE_S)) as s:
+                    "--header-timeout", str(IDLE_S), "--timeout-keep-alive", str(IDLE_S),
+                    "--websocket-idle-timeout", str(WEBSOCKET_IDLE_S)) as s:
         yield s
 
 
@@ -139,8 +145,41 @@ def test_an_idle_connection_between_requests_is_closed(server: Server) -> None:
         assert closed_by_server(client)
 
 
-@pytest.mark.parametrize("option", ["--header-timeout", "--timeout-keep-alive"])
+@pytest.mark.parametrize("option", ["--header-timeout", "--timeout-keep-alive", "--websocket-idle-timeout"])
 def test_the_timeouts_must_be_positive(option: str) -> None:
     done = subprocess.run(server_command("/no/such/model", free_port(), option, "0"), capture_output=True, text=True,
                           timeout=PATIENCE_S)
     assert done.returncode == 1 and done.stderr.strip() == f"lse-server: {option} must be more than 0 seconds, got 0.0"
+
+
+def websocket(server: Server) -> websockets.sync.client.ClientConnection:
+    """A Responses WebSocket to the server."""
+    return websockets.sync.client.connect(server.url.replace("http://", "ws://") + "/v1/responses",
+                                          additional_headers={"Authorization": f"Bearer {API_KEY}"},
+                                          open_timeout=PATIENCE_S)
+
+
+def respond(connection: websockets.sync.client.ClientConnection) -> dict[str, Any]:
+    """Run a short response on the connection; its last message."""
+    connection.send(json.dumps({"type": "response.create", "input": "Hi", "max_output_tokens": 2}))
+    while (message := json.loads(connection.recv(timeout=PATIENCE_S)))["type"] not in ENDINGS:
+        pass
+    return message
+
+
+def test_a_websocket_in_use_outlives_the_header_timeout(server: Server) -> None:
+    """An upgraded connection is the WebSocket's: the header timeout (armed when it opened) no longer closes it."""
+    with websocket(server) as connection:
+        time.sleep(IDLE_S * 2)   # past --header-timeout, within --websocket-idle-timeout
+        assert respond(connection)["type"] in ("response.completed", "response.incomplete")
+
+
+def test_a_websocket_that_sends_nothing_is_closed(server: Server) -> None:
+    for used in (False, True):   # from its opening, and from its last response's end
+        with websocket(server) as connection:
+            if used:
+                respond(connection)
+            with pytest.raises(ConnectionClosedOK) as closed:
+                connection.recv(timeout=PATIENCE_S)
+        assert closed.value.rcvd.code == 1000
+        assert closed.value.rcvd.reason == f"no message for {WEBSOCKET_IDLE_S} s"
