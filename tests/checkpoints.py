@@ -50,6 +50,11 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(SMALL, num_hidden_layers=3, head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0,
                       num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       mlp_only_layers=[1]),
+    # YaRN's scaling within the prompts (factor 4 over 64 positions), sliding windows of 4 on even layers
+    "gpt_oss": dict(SMALL, num_hidden_layers=3, head_dim=16, tie_word_embeddings=False, num_local_experts=8,
+                    num_experts_per_tok=2, intermediate_size=32, sliding_window=4, rope_parameters={
+                        "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 64, "rope_theta": 150000.0}),
 }
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"

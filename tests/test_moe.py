@@ -1,8 +1,8 @@
 """Mixtures of experts: the routing and expert ops on the CPU interpreter against plain loops and on jit:0
 against the interpreter (quantized experts read in place), Qwen3-MoE from a Hugging Face directory and from
-GGUFs as llama.cpp writes them giving transformers' greedy ids on cpu:0 and jit:0, and a device without the
-expert kernels (the example plugin) falling back to the interpreter per group, counted, or refusing under
---no-cpu-fallback."""
+GGUFs as llama.cpp writes them and gpt-oss from a directory giving transformers' greedy ids on cpu:0 and jit:0,
+and a device without the expert kernels (the example plugin) falling back to the interpreter per group,
+counted, or refusing under --no-cpu-fallback."""
 
 from __future__ import annotations
 
@@ -169,6 +169,38 @@ def test_greedy_ids_equal_transformers_on_cpu_and_jit(tiny_checkpoint, seed, opt
     for device in ("cpu:0", "jit:0"):
         for chunk in (len(prompt), 5):
             assert greedy(plan_on(model, device), prompt, N_NEW, chunk) == expected, (device, chunk)
+
+
+@pytest.mark.parametrize("seed, options", [(0, {}), (1, dict(swiglu_limit=0.5, sliding_window=6))])
+def test_gpt_oss_greedy_ids_equal_transformers_on_cpu_and_jit(tiny_checkpoint, seed, options):
+    """Sinks, biases, YaRN, the clamped SwiGLU (its limit reached in seed 1) and sliding windows far shorter than
+    the prompt; on jit:0 the sink attention falls back to the interpreter, counted."""
+    path = tiny_checkpoint("gpt_oss", seed=seed, **options)
+    prompt = prompt_ids(path, "The quick brown fox jumps over the lazy dog. " * 4)
+    expected, _ = hf_greedy(path, prompt, N_NEW)
+    model = load_hf(str(path))
+    assert greedy(plan_on(model, "cpu:0"), prompt, N_NEW, 7) == expected
+    causes: list[str] = []
+    assert greedy(plan_on(model, "jit:0", causes), prompt, N_NEW, 7) == expected
+    assert {cause.split("; ")[1] for cause in causes} == {"jit:0: no kernel for sink_attention"}
+
+
+def test_yarn_frequencies_and_attention_factor_are_transformers(tiny_checkpoint):
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    path = tiny_checkpoint("gpt_oss")
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](AutoConfig.from_pretrained(path))
+    rope = next(n.attrs for n in build_graph(load_hf(str(path))).nodes if n.op == "rope")
+    np.testing.assert_allclose(ir.rope_inv_freq(rope), inv_freq.numpy(), rtol=1e-6)
+    assert ir.rope_attention_factor(rope) == pytest.approx(factor)
+
+
+def test_clamped_swiglu_is_gpt_oss_activation():
+    gate, up = (RNG.standard_normal((3, 40)).astype(np.float32) * 6 for _ in range(2))
+    got = run_node(ir.Node("clamped_swiglu", ("g", "u"), "y", (), {"alpha": 1.702, "limit": 7.0}), [gate, up])
+    g = np.minimum(gate, 7.0)
+    np.testing.assert_allclose(got, (np.clip(up, -7, 7) + 1) * g / (1 + np.exp(-1.702 * g)), rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(autouse=True)

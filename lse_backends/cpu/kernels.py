@@ -238,8 +238,10 @@ class KVCache:
 
 
 def attention(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeKernel:
+    """attention, and sink_attention whose ``params`` hold the sinks (a logit per query head)."""
     n_heads, n_kv, head_dim = node.attrs["n_heads"], node.attrs["n_kv_heads"], node.attrs["head_dim"]
     group = n_heads // n_kv
+    sinks = np.asarray(params[0], np.float32).reshape(n_kv, group) if params else None
     scale, window = np.float32(node.attrs["scale"]), int(node.attrs.get("window") or 0)
     k_cache = KVCache(ctx.cache_type_k, (ctx.kv_slots, n_kv, ctx.kv_len, head_dim))
     v_cache = KVCache(ctx.cache_type_v, (ctx.kv_slots, n_kv, ctx.kv_len, head_dim))
@@ -288,9 +290,16 @@ def attention(node: Node, params: list[np.ndarray], ctx: CompileContext) -> Node
             if window:
                 hidden |= key_positions[None, :] <= query_positions - window
             np.copyto(scores.reshape(n_kv, n, group, -1), np.float32(-np.inf), where=hidden[None, :, None, :])
-        scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
+        top = np.maximum.reduce(scores, axis=-1, keepdims=True)
+        if sinks is not None:   # each query head's sink as one more logit, in scores' layout (see q_grouped)
+            sink = sinks[:, :, None, None] if n == 1 else np.tile(sinks[:, None, :], (1, n, 1)).reshape(n_kv, 1, -1, 1)
+            np.maximum(top, sink, out=top)
+        scores -= top
         probs = np.exp(scores, out=scores)
-        probs /= np.add.reduce(probs, axis=-1, keepdims=True)
+        total = np.add.reduce(probs, axis=-1, keepdims=True)
+        if sinks is not None:
+            total += np.exp(sink - top)
+        probs /= total
         if n == 1:
             np.matmul(probs, values, out=out.reshape(n_kv, group, 1, head_dim))
         else:
@@ -360,6 +369,7 @@ MODEL_KERNELS: dict[str, KernelFactory] = {
     "linear": linear,
     "rope": rope,
     "attention": attention,
+    "sink_attention": attention,
     "last_rows": last_rows,
     "silu": _elementwise(_silu),
     "gelu": _elementwise(_gelu),

@@ -97,8 +97,26 @@ def moe_combine(node: Node, params: list[np.ndarray], ctx: CompileContext) -> No
     return run
 
 
+def clamped_swiglu(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeKernel:
+    alpha, limit = np.float32(node.attrs["alpha"]), np.float32(node.attrs["limit"])
+    buffer = OutputBuffer(ctx.max_tokens)
+
+    def run(inputs: Sequence[np.ndarray], step: Step) -> np.ndarray:
+        gate, up = inputs
+        g = np.minimum(gate, limit)
+        out = buffer.take(*gate.shape)
+        # g * sigmoid(alpha g) = g / (1 + exp(-alpha g)); -alpha g is at most alpha * limit when g is clamped
+        # from above only, but unbounded below: clamped at 88, as silu's, so exp stays finite
+        np.divide(g, np.float32(1) + np.exp(np.minimum(-alpha * g, np.float32(88))), out=out)
+        out *= np.clip(up, -limit, limit) + np.float32(1)
+        return out
+
+    return run
+
+
 MOE_KERNELS: dict[str, KernelFactory] = {
     "moe_route": moe_route,
     "expert_linear": expert_linear,
     "moe_combine": moe_combine,
+    "clamped_swiglu": clamped_swiglu,
 }

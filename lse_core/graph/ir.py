@@ -21,7 +21,12 @@ Op semantics (every backend implements exactly these; the numpy interpreter is t
                                 query row attends causally to its sequence's cached positions
                                 [max(0, p - attrs.window + 1), p] (window 0 = unlimited), softmax scaled by
                                 attrs.scale, grouped-query (head h reads kv head h // (n_heads // n_kv_heads))
+  sink_attention(q, k, v; sinks)
+                                attention with a learned logit per query head (sinks [n_heads]) in each
+                                softmax's denominator: exp(s_j) / (sum_i exp(s_i) + exp(sinks[h])) (gpt-oss)
   silu(x), gelu(x)              elementwise; gelu is the tanh approximation
+  clamped_swiglu(gate, up)      gpt-oss's gated activation: g = min(gate, attrs.limit), then
+                                (clip(up, -limit, limit) + 1) * g * sigmoid(attrs.alpha * g)
   add(a, b), mul(a, b)          elementwise, same shapes
   scale(x)                      x * attrs.factor
   last_rows(x)                  x[step.sample_rows]: the rows whose logits are sampled -> [S, width]
@@ -71,8 +76,9 @@ from typing import Any
 import numpy as np
 
 ELEMENTWISE_OPS = frozenset({"silu", "gelu", "add", "mul", "scale"})
-MOE_OPS = frozenset({"moe_route", "expert_linear", "moe_combine"})
-MODEL_OPS = frozenset({"embedding", "rms_norm", "linear", "rope", "attention", "last_rows"}) | ELEMENTWISE_OPS | MOE_OPS
+MOE_OPS = frozenset({"moe_route", "expert_linear", "moe_combine", "clamped_swiglu"})   # a mixture's block's
+MODEL_OPS = (frozenset({"embedding", "rms_norm", "linear", "rope", "attention", "sink_attention", "last_rows"})
+             | ELEMENTWISE_OPS | MOE_OPS)
 SAMPLING_OPS = ("mask", "penalize", "temperature", "top_k", "top_p", "min_p", "sample")
 OPS = MODEL_OPS | frozenset(SAMPLING_OPS)
 
@@ -172,7 +178,7 @@ class Step:
 
 def rope_inv_freq(attrs: dict[str, Any], n_positions: int | None = None) -> np.ndarray:
     """Inverse frequencies for a rope node: base ``theta``, ``rotary_dim`` (default head_dim), and
-    Hugging Face's rope_scaling kinds ``linear``, ``llama3`` and ``longrope``, or a GGUF's per-frequency
+    Hugging Face's rope_scaling kinds ``linear``, ``llama3``, ``yarn`` and ``longrope``, or a GGUF's per-frequency
     divisors (``freq_factors``). One place, for every backend. ``n_positions`` (the context) picks
     longrope's factors: the long ones when it exceeds the trained context, as llama.cpp picks them."""
     head_dim = attrs["head_dim"]
@@ -192,6 +198,20 @@ def rope_inv_freq(attrs: dict[str, Any], n_positions: int | None = None) -> np.n
         scaled = np.where(wavelen > old_ctx / low, inv / factor, inv)
         mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
         inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind == "yarn":   # frequencies between the correction range's ends blend interpolation and extrapolation
+        factor, old_ctx = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+
+        def correction_dim(rotations: float) -> float:
+            return rotary_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = correction_dim(float(scaling.get("beta_fast") or 32))
+        high = correction_dim(float(scaling.get("beta_slow") or 1))
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, rotary_dim - 1)
+        high += 0.001 if low == high else 0   # no division by zero
+        ramp = np.clip((np.arange(rotary_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+        inv = (inv / factor) * ramp + inv * (1 - ramp)
     elif kind in ("freq_factors", "longrope"):   # a GGUF's rope_freqs.weight; Phi-3's short/long factors
         if kind == "longrope":
             long = n_positions is not None and n_positions > int(scaling["original_max_position_embeddings"])
@@ -204,6 +224,24 @@ def rope_inv_freq(attrs: dict[str, Any], n_positions: int | None = None) -> np.n
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope_scaling type {kind!r}")
     return inv.astype(np.float32)
+
+
+def rope_attention_factor(attrs: dict[str, Any]) -> float:
+    """What a rope node's cos and sin are multiplied by (YaRN's attention factor; 1 otherwise): the rope op
+    leaves it out, and an architecture folds its square into the attention's scale, as both q and k carry it."""
+    scaling = attrs.get("scaling") or {}
+    if (scaling.get("rope_type") or scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float) -> float:   # YaRN's equation 21
+        return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale(1.0)
 
 
 def rope_cos_sin(attrs: dict[str, Any], n_positions: int) -> tuple[np.ndarray, np.ndarray]:

@@ -56,6 +56,7 @@ class ModelArgs:
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         head_dim = int(config.get("head_dim") or hidden // heads)
         n_layers = int(need("num_hidden_layers"))
+        rope = rope_attrs(model, head_dim)
         return cls(
             hidden_size=hidden,
             num_hidden_layers=n_layers,
@@ -65,13 +66,15 @@ class ModelArgs:
             intermediate_size=int(need("intermediate_size")),
             vocab_size=int(need("vocab_size")),
             rms_norm_eps=float(config.get("rms_norm_eps") or 1e-6),
-            rope=rope_attrs(model, head_dim),
+            rope=rope,
             attention_bias=bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             windows=layer_windows(config, n_layers),
             embedding_scale=float(config.get("embedding_multiplier", 1.0)),
-            attention_scale=float(config.get("attention_multiplier") or head_dim ** -0.5),
+            # YaRN's attention factor multiplies q's and k's rotations alike: its square, the scores
+            attention_scale=float(config.get("attention_multiplier") or head_dim ** -0.5)
+            * ir.rope_attention_factor(rope) ** 2,
             residual_scale=float(config.get("residual_multiplier", 1.0)),
             logits_scale=1.0 / float(config.get("logits_scaling", 1.0)),
         )
@@ -153,9 +156,10 @@ class GraphBuilder:
 
 
 def attention_block(b: GraphBuilder, args: ModelArgs, i: int, x: str, *, qkv_bias: bool, qk_norm: bool,
-                    rope: bool = True) -> str:
+                    rope: bool = True, sinks: bool = False) -> str:
     """Self-attention of layer i on the normed input x; returns the o_proj output. ``rope`` False leaves
-    q and k unrotated (SmolLM3's NoPE layers)."""
+    q and k unrotated (SmolLM3's NoPE layers); ``sinks`` adds gpt-oss's learned logit per head to the
+    softmax's denominator."""
     p, hd = f"model.layers.{i}.self_attn", args.head_dim
     q_width, kv_width = args.num_attention_heads * hd, args.num_key_value_heads * hd
     q = b.linear(x, f"{p}.q_proj", (q_width, args.hidden_size), f"l{i}.q", i, qkv_bias)
@@ -169,7 +173,10 @@ def attention_block(b: GraphBuilder, args: ModelArgs, i: int, x: str, *, qkv_bia
     if rope:
         q = b.emit("rope", (q,), f"l{i}.q_rope", (), i, **args.rope)
         k = b.emit("rope", (k,), f"l{i}.k_rope", (), i, **args.rope)
-    attn = b.emit("attention", (q, k, v), f"l{i}.attn", (), i, n_heads=args.num_attention_heads,
+    op, params = "attention", ()
+    if sinks:
+        op, params = "sink_attention", (b.weight(f"{p}.sinks", (args.num_attention_heads,)),)
+    attn = b.emit(op, (q, k, v), f"l{i}.attn", params, i, n_heads=args.num_attention_heads,
                   n_kv_heads=args.num_key_value_heads, head_dim=hd, scale=args.attention_scale,
                   window=args.windows[i])
     return b.linear(attn, f"{p}.o_proj", (args.hidden_size, q_width), f"l{i}.attn_out", i, args.attention_bias)
@@ -189,10 +196,11 @@ MlpBlock = Callable[[GraphBuilder, ModelArgs, int, str], str]
 
 
 def build(model: Model, *, qkv_bias: bool | None = None, qk_norm: bool = False,
-          rope_layers: list[bool] | None = None, mlp: MlpBlock = mlp_block) -> ir.Graph:
+          rope_layers: list[bool] | None = None, mlp: MlpBlock = mlp_block, sinks: bool = False) -> ir.Graph:
     """The forward graph. ``qkv_bias`` overrides config.json's attention_bias for q/k/v (Qwen2 always
     has them); ``qk_norm`` adds Qwen3's per-head norms; ``rope_layers`` says which layers rotate q and k
-    (all by default); ``mlp`` builds each layer's feed-forward block (a mixture of experts's, say)."""
+    (all by default); ``mlp`` builds each layer's feed-forward block (a mixture of experts's, say); ``sinks``
+    gives every attention gpt-oss's sinks."""
     args = ModelArgs.from_config(model)
     b = GraphBuilder(model)
 
@@ -207,7 +215,7 @@ def build(model: Model, *, qkv_bias: bool | None = None, qk_norm: bool = False,
         n = b.rms_norm(h, f"model.layers.{i}.input_layernorm.weight", args.hidden_size, args.rms_norm_eps,
                        f"l{i}.attn_norm", i)
         attn = attention_block(b, args, i, n, qkv_bias=args.attention_bias if qkv_bias is None else qkv_bias,
-                               qk_norm=qk_norm, rope=rope_layers is None or rope_layers[i])
+                               qk_norm=qk_norm, rope=rope_layers is None or rope_layers[i], sinks=sinks)
         h = b.emit("add", (h, residual(attn, i)), f"l{i}.h_attn", (), i)
         n = b.rms_norm(h, f"model.layers.{i}.post_attention_layernorm.weight", args.hidden_size,
                        args.rms_norm_eps, f"l{i}.mlp_norm", i)

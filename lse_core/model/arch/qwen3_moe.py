@@ -8,7 +8,7 @@ from __future__ import annotations
 from lse_core.errors import StartupError
 from lse_core.graph.ir import Graph
 from lse_core.model.arch import llama
-from lse_core.model.arch._moe import moe_block
+from lse_core.model.arch._moe import moe_block, route, stacked_experts
 from lse_core.model.model import Model
 
 
@@ -26,8 +26,10 @@ def build(model: Model) -> Graph:
     def mlp(b: llama.GraphBuilder, args: llama.ModelArgs, i: int, x: str) -> str:
         if not n_experts or i in dense_layers or (i + 1) % sparse_step:
             return llama.mlp_block(b, args, i, x)
-        return moe_block(b, i, x, hidden=args.hidden_size, width=int(config["moe_intermediate_size"]),
-                         n_experts=n_experts, k=int(config["num_experts_per_tok"]), mode="softmax_topk",
-                         normalize=bool(config.get("norm_topk_prob", False)))
+        k = int(config["num_experts_per_tok"])
+        routes = route(b, i, x, f"model.layers.{i}.mlp.gate", hidden=args.hidden_size, n_experts=n_experts,
+                       k=k, mode="softmax_topk", normalize=bool(config.get("norm_topk_prob", False)))
+        experts = stacked_experts(b, i, n_experts, int(config["moe_intermediate_size"]), args.hidden_size)
+        return moe_block(b, i, x, routes, experts, k)
 
     return llama.build(model, qk_norm=True, mlp=mlp)
