@@ -259,6 +259,12 @@ def test_other_errors_are_ollama_shaped(client: ollama.Client, http: httpx.Clien
     ollama_error(http.get("/api/nope"), 404, "not_found", None)
     ollama_error(http.post("/api/embed", json={"model": model, "input": "Hi", "options": {"num_ctx": 10**6}}), 400,
                  "invalid_value", "options.num_ctx")
+    too_deep: dict[str, Any] = {"type": "string"}
+    for _ in range(200):
+        too_deep = {"type": "object", "properties": {"a": too_deep}}
+    refused = ollama_error(http.post("/api/chat", json={"model": model, "messages": HELLO, "format": too_deep}), 400,
+                           "invalid_value", "format")    # structured output's bound, named as Ollama's body does
+    assert "nests more than" in refused["error"]
     for action, call in (("pull", lambda: client.pull(model)), ("delete", lambda: client.delete(model)),
                          ("copy", lambda: client.copy(model, "other"))):
         with pytest.raises(ollama.ResponseError) as refused:

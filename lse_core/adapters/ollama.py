@@ -44,6 +44,7 @@ OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "mi
 UNLIMITED_PREDICT = (-1, -2)   # num_predict: no limit, and until the context fills; both are LSE's default
 # Chat fields as an Ollama body names them, for the core's errors ("stop[" renames the prefix of stop[1]...).
 PARAMS = {"max_tokens": "options.num_predict", "stop[": "options.stop[", "response_format": "format",
+          "response_format.json_schema.schema": "format",
           "reasoning_effort": "think", "enable_thinking": "think", "repetition_penalty": "options.repeat_penalty",
           **{field: f"options.{option}" for option, field in OPTIONS.items() if option != "repeat_penalty"}}
 DoneReason = Literal["stop", "length", "load", "unload"]
