@@ -215,6 +215,32 @@ _GGUF_LAYER_NAMES = {
 }
 
 
+def _add_tokenizer(writer: Any) -> None:
+    """train_tokenizer()'s vocabulary and merges as a GGUF's gpt2 tokenizer."""
+    tokenizer = json.loads(train_tokenizer())
+    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
+    tokens = [token for token, _ in vocab] + [t["content"] for t in tokenizer["added_tokens"]
+                                              if t["content"] not in tokenizer["model"]["vocab"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+
+
+def _write_reference(checkpoint: Path, path: Path, tensors: dict[str, np.ndarray]) -> Path:
+    """A copy of ``checkpoint`` with these tensors in its one safetensors file."""
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    for file in checkpoint.iterdir():
+        if file.suffix != ".safetensors":
+            (path / file.name).write_bytes(file.read_bytes())
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 def write_moe_gguf(checkpoint: Path, directory: Path, expert_type: str = "F32") -> tuple[Path, Path]:
     """A qwen3_moe checkpoint as llama.cpp's converter writes it: arch ``qwen3moe``, its expert keys, each
     projection of every expert one 3-D ffn_*_exps tensor stored as ``expert_type`` (F32 or a GGUF quant
@@ -222,7 +248,6 @@ def write_moe_gguf(checkpoint: Path, directory: Path, expert_type: str = "F32") 
     (the experts' blocks dequantized), which transformers runs as the reference."""
     import gguf
     from gguf import GGMLQuantizationType as QT
-    from safetensors.numpy import save_file
 
     from lse_core.model.files import load_hf
 
@@ -240,16 +265,7 @@ def write_moe_gguf(checkpoint: Path, directory: Path, expert_type: str = "F32") 
                 "expert_feed_forward_length": config["moe_intermediate_size"]}
     for key, value in metadata.items():   # GGUFWriter's add_<key> writes qwen3moe.<its key>
         getattr(writer, f"add_{key}")(value)
-    tokenizer = json.loads(train_tokenizer())
-    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
-    tokens = [token for token, _ in vocab] + [t["content"] for t in tokenizer["added_tokens"]
-                                              if t["content"] not in tokenizer["model"]["vocab"]]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    _add_tokenizer(writer)
     tensors = [("token_embd.weight", "model.embed_tokens.weight"), ("output_norm.weight", "model.norm.weight"),
                ("output.weight", "lm_head.weight")]
     for i in range(n_layers):
@@ -274,10 +290,91 @@ def write_moe_gguf(checkpoint: Path, directory: Path, expert_type: str = "F32") 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    reference = directory / "reference"
-    reference.mkdir(exist_ok=True)
-    for file in checkpoint.iterdir():
-        if file.suffix != ".safetensors":
-            (reference / file.name).write_bytes(file.read_bytes())
-    save_file(stored, str(reference / "model.safetensors"), metadata={"format": "pt"})
-    return directory / "model.gguf", reference
+    return directory / "model.gguf", _write_reference(checkpoint, directory / "reference", stored)
+
+
+def write_mxfp4_checkpoint(checkpoint: Path, directory: Path) -> tuple[Path, Path]:
+    """A gpt_oss checkpoint's experts as OpenAI's release stores them, MXFP4 ``*_blocks`` [experts, out, in / 32,
+    16] (element 2j in byte j's low nibble, 2j + 1 in its high one) and e8m0 ``*_scales`` [experts, out, in / 32],
+    quantized by gguf's MXFP4 quantizer; and a checkpoint of the same values in float32, which transformers runs
+    as the reference. Returns (the MXFP4 checkpoint, the reference)."""
+    import gguf
+    from gguf import GGMLQuantizationType as QT
+
+    from lse_core.model.files import load_hf
+
+    weights = {name: np.asarray(w, np.float32) for name, w in load_hf(str(checkpoint)).weights.items()}
+    packed, dense = dict(weights), dict(weights)
+    for name, w in weights.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            continue
+        matrices = w.transpose(0, 2, 1)   # [experts, out, in]
+        blocks = gguf.quants.quantize(np.ascontiguousarray(matrices), QT.MXFP4).reshape(*matrices.shape[:2], -1, 17)
+        values = np.stack([blocks[..., 1:] & 0x0F, blocks[..., 1:] >> 4], axis=-2).reshape(*blocks.shape[:3], 32)
+        del packed[name]
+        packed[f"{name}_blocks"] = values[..., 0::2] | (values[..., 1::2] << 4)
+        packed[f"{name}_scales"] = np.ascontiguousarray(blocks[..., 0])
+        dequantized = gguf.quants.dequantize(blocks.reshape(-1, 17), QT.MXFP4).reshape(matrices.shape)
+        dense[name] = np.ascontiguousarray(dequantized.transpose(0, 2, 1))
+    return (_write_reference(checkpoint, directory / "mxfp4", packed),
+            _write_reference(checkpoint, directory / "reference", dense))
+
+
+def write_gpt_oss_gguf(checkpoint: Path, directory: Path) -> tuple[Path, Path]:
+    """A gpt_oss checkpoint as llama.cpp's converter writes it: arch ``gpt-oss``, YaRN and window keys, gate and up
+    apart as ffn_{gate,up,down}_exps in MXFP4 ([experts, out, in]) with their biases, attn_sinks, the router as
+    ffn_gate_inp, the rest F32. Returns the GGUF and a checkpoint of the values it stores for transformers."""
+    import gguf
+    from gguf import GGMLQuantizationType as QT
+
+    from lse_core.model.files import load_hf
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    weights = {name: np.asarray(w, np.float32) for name, w in load_hf(str(checkpoint)).weights.items()}
+    stored = dict(weights)
+    rope = config["rope_parameters"]
+    writer = gguf.GGUFWriter(str(directory / "model.gguf"), "gpt-oss")
+    metadata = {"block_count": config["num_hidden_layers"], "context_length": config["max_position_embeddings"],
+                "embedding_length": config["hidden_size"], "feed_forward_length": config["intermediate_size"],
+                "head_count": config["num_attention_heads"], "head_count_kv": config["num_key_value_heads"],
+                "key_length": config["head_dim"], "value_length": config["head_dim"],
+                "rope_freq_base": rope["rope_theta"], "layer_norm_rms_eps": config["rms_norm_eps"],
+                "expert_count": config["num_local_experts"], "expert_used_count": config["num_experts_per_tok"],
+                "expert_feed_forward_length": config["intermediate_size"],
+                "sliding_window": config["sliding_window"], "rope_scaling_type": gguf.RopeScalingType.YARN,
+                "rope_scaling_factor": rope["factor"],
+                "rope_scaling_orig_ctx_len": rope["original_max_position_embeddings"]}
+    for key, value in metadata.items():
+        getattr(writer, f"add_{key}")(value)
+    _add_tokenizer(writer)
+    names = {"input_layernorm.weight": "attn_norm.weight",
+             "post_attention_layernorm.weight": "post_attention_norm.weight", "self_attn.sinks": "attn_sinks.weight",
+             "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+             **{f"self_attn.{p}_proj.{kind}": f"attn_{'output' if p == 'o' else p}.{kind}"
+                for p in "qkvo" for kind in ("weight", "bias")}}
+    tensors = {"token_embd.weight": weights["model.embed_tokens.weight"],
+               "output_norm.weight": weights["model.norm.weight"], "output.weight": weights["lm_head.weight"]}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        tensors |= {f"blk.{i}.{gguf_name}": weights[f"{p}.{hf_name}"] for hf_name, gguf_name in names.items()}
+        gate_up, down = weights[f"{p}.mlp.experts.gate_up_proj"], weights[f"{p}.mlp.experts.down_proj"]
+        bias, stored_gate_up = weights[f"{p}.mlp.experts.gate_up_proj_bias"], gate_up.copy()
+        for role, matrices, role_bias in (("gate", gate_up[:, :, 0::2], bias[:, 0::2]),
+                                          ("up", gate_up[:, :, 1::2], bias[:, 1::2]),
+                                          ("down", down, weights[f"{p}.mlp.experts.down_proj_bias"])):
+            blocks = gguf.quants.quantize(np.ascontiguousarray(matrices.transpose(0, 2, 1)), QT.MXFP4)
+            writer.add_tensor(f"blk.{i}.ffn_{role}_exps.weight", blocks, raw_dtype=QT.MXFP4)
+            tensors[f"blk.{i}.ffn_{role}_exps.bias"] = np.ascontiguousarray(role_bias)
+            values = gguf.quants.dequantize(blocks, QT.MXFP4).transpose(0, 2, 1)
+            if role == "down":
+                stored[f"{p}.mlp.experts.down_proj"] = np.ascontiguousarray(values)
+            else:   # gate in the even columns, up in the odd ones
+                stored_gate_up[:, :, ("gate", "up").index(role)::2] = values
+        stored[f"{p}.mlp.experts.gate_up_proj"] = stored_gate_up
+    for name, tensor in tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(tensor))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return directory / "model.gguf", _write_reference(checkpoint, directory / "reference", stored)

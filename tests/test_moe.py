@@ -10,7 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from checkpoints import greedy_sampling, hf_greedy, make_step, prompt_ids, write_moe_gguf
+from checkpoints import (
+    greedy_sampling,
+    hf_greedy,
+    make_step,
+    prompt_ids,
+    write_gpt_oss_gguf,
+    write_moe_gguf,
+    write_mxfp4_checkpoint,
+)
 
 from lse_backends.cpu import CPUDevice
 from lse_core.api import EVENT_END, EVENT_ERROR, lse_close, lse_open_or_raise, lse_request_iter, lse_status
@@ -183,6 +191,36 @@ def test_gpt_oss_greedy_ids_equal_transformers_on_cpu_and_jit(tiny_checkpoint, s
     causes: list[str] = []
     assert greedy(plan_on(model, "jit:0", causes), prompt, N_NEW, 7) == expected
     assert {cause.split("; ")[1] for cause in causes} == {"jit:0: no kernel for sink_attention"}
+
+
+def test_gpt_oss_mxfp4_experts_give_transformers_ids_on_their_values(tiny_checkpoint, tmp_path):
+    """OpenAI's MXFP4 blocks and scales become GGUF MXFP4 experts ([experts, out, in], gate and up apart), whose
+    values are the dequantized checkpoint's that transformers runs."""
+    path = tiny_checkpoint("gpt_oss", seed=2)
+    mxfp4, reference = write_mxfp4_checkpoint(path, tmp_path)
+    model = load_hf(str(mxfp4))
+    graph = build_graph(model)
+    up = graph.weights["model.layers.1.mlp.experts.up"]
+    assert (up.qtype, up.shape) == ("MXFP4", (8, 32, 64))
+    prompt = prompt_ids(path, "The quick brown fox jumps over the lazy dog. " * 2)
+    expected, _ = hf_greedy(reference, prompt, N_NEW)
+    for device in ("cpu:0", "jit:0"):
+        assert greedy(plan_on(model, device), prompt, N_NEW, 7) == expected, device
+
+
+def test_gpt_oss_gguf_as_llama_cpp_writes_it_gives_transformers_ids(tiny_checkpoint, tmp_path):
+    """gpt-oss with MXFP4 ffn_*_exps, their biases, attn_sinks and YaRN keys: the ids transformers gives on the
+    values the file stores, on cpu:0 and jit:0."""
+    path = tiny_checkpoint("gpt_oss", seed=3)
+    gguf_file, reference = write_gpt_oss_gguf(path, tmp_path)
+    model = load_gguf(str(gguf_file))
+    assert (model.config["layer_types"], model.config["sliding_window"]) == (
+        ["sliding_attention", "full_attention", "sliding_attention"], 4)
+    assert model.weights["model.layers.2.mlp.experts.down_proj.weight"].qtype == "MXFP4"
+    prompt = prompt_ids(path, "The quick brown fox jumps over the lazy dog. " * 2)
+    expected, _ = hf_greedy(reference, prompt, N_NEW)
+    for device in ("cpu:0", "jit:0"):
+        assert greedy(plan_on(model, device), prompt, N_NEW, 7) == expected, device
 
 
 def test_yarn_frequencies_and_attention_factor_are_transformers(tiny_checkpoint):

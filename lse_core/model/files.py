@@ -22,8 +22,9 @@ from lse_core.model.model import Model
 from lse_core.model.tokenizer import Tokenizer
 
 # safetensors dtypes a checkpoint may store its weights in (BF16 is read as the top half of a
-# float32); all become float32 on load.
-_NUMPY_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"), "BF16": np.dtype("<u2")}
+# float32); all become float32 on load but U8, the bytes of packed weights (gpt-oss's MXFP4 experts).
+_NUMPY_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"), "BF16": np.dtype("<u2"),
+                 "U8": np.dtype("u1")}
 _MAX_HEADER_BYTES = 100 << 20   # the safetensors library's own cap on the JSON header
 
 
@@ -114,12 +115,12 @@ def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
 
 
 def _tensor(error: Callable[[str], StartupError], name: str, entry: Any, body: memoryview) -> np.ndarray:
-    """One header entry's tensor as float32, its dtype, shape and offsets checked against the data."""
+    """One header entry's tensor as float32 (U8 as bytes), its dtype, shape and offsets checked against the data."""
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
         raise error(f"tensor {name!r} is not an object of dtype, shape and data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if dtype not in _NUMPY_DTYPES:
-        raise error(f"tensor {name!r} has dtype {dtype!r}; LSE reads F32, F16, BF16 and F64")
+        raise error(f"tensor {name!r} has dtype {dtype!r}; LSE reads F32, F16, BF16, F64 and U8")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise error(f"tensor {name!r} has shape {shape!r}, not a list of sizes")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
@@ -134,7 +135,7 @@ def _tensor(error: Callable[[str], StartupError], name: str, entry: Any, body: m
     array = np.frombuffer(body[begin:end], _NUMPY_DTYPES[dtype]).reshape(shape)
     if dtype == "BF16":   # bfloat16 is the top half of a float32: widen the bits, exactly
         return (array.astype(np.uint32) << 16).view(np.float32)
-    return array if array.dtype == np.float32 else array.astype(np.float32)
+    return array if array.dtype in (np.float32, np.uint8) else array.astype(np.float32)
 
 
 def _token_content(value: Any) -> str | None:

@@ -33,9 +33,9 @@ from .model import QUANT_BLOCKS, Model, QuantTensor, Weight
 from .tokenizer import Tokenizer
 
 CACHE_FORMAT = 5   # part of the cache key: bump it whenever the header's content or its checks change
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss")
 # llama.cpp's architecture name -> config.json's model_type (the architecture file's name), where they differ
-_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ROPE_FACTORS = "rope_freqs.weight"   # Llama 3's rope scaling, as a divisor per frequency
 
@@ -68,6 +68,12 @@ _GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+}
+# gpt-oss: its router and sinks by their Hugging Face names; post_attention_norm is its pre-FFN norm
+_GPT_OSS_LAYER_NAMES = _LAYER_NAMES | {
+    "ffn_gate_inp": "mlp.router",
+    "attn_sinks": "self_attn.sinks",
+    "post_attention_norm": "post_attention_layernorm",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -193,6 +199,7 @@ _METADATA_TYPES: dict[str, tuple[Any, str]] = {
     "{}.rope.freq_base_swa": _NUMBER,
     "{}.rope.scaling.type": _STRING,
     "{}.rope.scaling.factor": _NUMBER,
+    "{}.rope.scaling.original_context_length": _COUNT,
     "{}.pooling_type": _INDEX,
     "{}.attention.sliding_window": _INDEX,
     "{}.attention.sliding_window_pattern": _WINDOW_PATTERN,
@@ -274,18 +281,29 @@ def _config(meta: dict[str, Any], tensor_dims: dict[str, list[int]], path: str) 
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
     }
     scaling = key("rope.scaling.type")
+    if scaling in ("linear", "yarn") and key("rope.scaling.factor") is None:
+        raise StartupError(f"{path}: {scaling} rope scaling without {arch}.rope.scaling.factor")
     if scaling == "linear":
-        if key("rope.scaling.factor") is None:
-            raise StartupError(f"{path}: linear rope scaling without {arch}.rope.scaling.factor")
         config["rope_scaling"] = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
+    elif scaling == "yarn":   # YaRN as gpt-oss trained with it (no truncated correction range)
+        if key("rope.scaling.original_context_length") is None:
+            raise StartupError(f"{path}: yarn rope scaling without {arch}.rope.scaling.original_context_length")
+        config["rope_scaling"] = {"rope_type": "yarn", "factor": key("rope.scaling.factor"), "beta_fast": 32.0,
+                                  "beta_slow": 1.0, "truncate": False,
+                                  "original_max_position_embeddings": key("rope.scaling.original_context_length")}
     elif scaling not in (None, "none"):
-        raise StartupError(f"{path}: rope scaling {scaling!r} is not supported (none, linear)")
+        raise StartupError(f"{path}: rope scaling {scaling!r} is not supported (none, linear, yarn)")
     if key("pooling_type") is not None:   # an embedding model's: llama.cpp's enum (1 mean, 2 cls, 3 last)
         config["pooling_type"] = key("pooling_type")
     if arch == "gemma3":
         config |= _gemma3_config(config, key, path)
-    if arch == "qwen3moe":
-        config |= _qwen3moe_config(config, key, tensor_dims, path)
+    if arch in ("qwen3moe", "gpt-oss"):
+        config |= _experts_config(config, key, tensor_dims, path)
+    if arch == "gpt-oss":   # llama.cpp's: every other layer, from the first, attends through the window
+        config |= {"sliding_window": key("attention.sliding_window", 128), "num_local_experts": config["num_experts"],
+                   "intermediate_size": config["moe_intermediate_size"],
+                   "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                   for i in range(config["num_hidden_layers"])]}
     return config
 
 
@@ -320,15 +338,16 @@ def _gemma3_config(config: dict[str, Any], key: Any, path: str) -> dict[str, Any
     }
 
 
-def _qwen3moe_config(config: dict[str, Any], key: Any, tensor_dims: dict[str, list[int]],
-                     path: str) -> dict[str, Any]:
-    """Qwen3-MoE's experts. llama.cpp always renormalises the chosen experts' weights (transformers reads
+def _experts_config(config: dict[str, Any], key: Any, tensor_dims: dict[str, list[int]],
+                    path: str) -> dict[str, Any]:
+    """A mixture's experts. llama.cpp always renormalises Qwen3-MoE's chosen experts' weights (transformers reads
     these files so too); a layer without a router (ffn_gate_inp) is a dense one."""
+    arch = config["model_type"]
     if key("expert_count") is None or key("expert_used_count") is None:
-        raise StartupError(f"{path}: metadata lacks qwen3moe.expert_count or qwen3moe.expert_used_count")
+        raise StartupError(f"{path}: metadata lacks {arch}'s expert_count or expert_used_count")
     width = key("expert_feed_forward_length") or config["intermediate_size"]
     if width is None:
-        raise StartupError(f"{path}: metadata lacks qwen3moe.expert_feed_forward_length")
+        raise StartupError(f"{path}: metadata lacks {arch}'s expert_feed_forward_length")
     return {
         "num_experts": key("expert_count"),
         "num_experts_per_tok": key("expert_used_count"),
@@ -344,7 +363,7 @@ def _qwen3moe_config(config: dict[str, Any], key: Any, tensor_dims: dict[str, li
 
 def _read_weights(mapping: mmap.mmap, path: str, config: dict[str, Any], table: list[Any]) -> dict[str, Weight]:
     arch = config["model_type"]
-    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    layer_names = {"gemma3": _GEMMA3_LAYER_NAMES, "gpt_oss": _GPT_OSS_LAYER_NAMES}.get(arch, _LAYER_NAMES)
     data = np.frombuffer(mapping, np.uint8)  # read-only arrays over the mapping
     weights: dict[str, Weight] = {}
     for name, qtype, gguf_shape, offset, nbytes in table:
@@ -357,6 +376,8 @@ def _read_weights(mapping: mmap.mmap, path: str, config: dict[str, Any], table: 
         elif arch == "gemma3" and name.endswith("norm.weight"):
             # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added; HF keeps w
             tensor = tensor - np.float32(1.0)
+        elif name.endswith(".attn_sinks.weight"):   # a parameter of its own in HF, with no .weight
+            hf_name = hf_name.removesuffix(".weight")
         weights[hf_name] = tensor
     return weights
 

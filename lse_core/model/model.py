@@ -19,6 +19,7 @@ QUANT_BLOCKS: dict[str, tuple[int, int]] = {
     "Q4_K": (144, 256),
     "Q5_K": (176, 256),
     "Q6_K": (210, 256),
+    "MXFP4": (17, 32),   # gpt-oss's experts: an e8m0 exponent and 32 e2m1 values
 }
 
 

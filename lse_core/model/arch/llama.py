@@ -131,6 +131,8 @@ class GraphBuilder:
         if tuple(tensor.shape) != shape:
             raise StartupError(f"{self.model.source}: tensor {name!r} has shape {list(tensor.shape)}, "
                                f"but config.json implies {list(shape)}")
+        if getattr(tensor, "dtype", None) == np.uint8:   # safetensors U8: packed bytes, no float weights
+            raise StartupError(f"{self.model.source}: tensor {name!r} holds bytes (U8), not weights")
         self.weights[name] = tensor
         return name
 
