@@ -21,8 +21,8 @@ from lse_backends.cpu import CPUDevice
 from lse_core.api import lse_close, lse_open_or_raise, lse_request_iter
 from lse_core.devices.hookspec import CompileContext
 from lse_core.engine.engine import Engine
-from lse_core.engine.sequence import SeqParams
-from lse_core.engine.speculation import Speculation, ngram_proposal
+from lse_core.engine.sequence import SeqParams, Sequence
+from lse_core.engine.speculation import DraftCost, Speculation, ngram_proposal
 from lse_core.graph.plan import Plan
 from lse_core.model.arch import build_graph
 from lse_core.model.files import load_hf
@@ -89,6 +89,26 @@ def test_ngram_proposal_takes_what_followed_the_latest_longest_match():
     assert ngram_proposal(tokens, 3) == [4, 8, 6]        # 1 2 3 last stood before 4 8 6
     assert ngram_proposal(tokens, 16) == [4, 8, 6, 1, 2, 3]
     assert ngram_proposal(np.array([1, 2, 3, 4], dtype=np.int32), 4) == []   # nothing recurs
+
+
+def test_proposal_length_follows_acceptance_and_row_cost(prompts):
+    """Rows cost a third of a decode step: a sequence whose proposals were kept gets them all; one whose
+    proposals failed gets none, and once it has declined for a while it probes again."""
+    cost = DraftCost()
+    for rows in (0, 4, 0, 8) * 3:
+        cost.observe(rows, 0.030 + rows * 0.010)
+    assert (round(cost.decode_s, 6), round(cost.per_row, 6)) == (0.03, 0.01)
+    seq = Sequence(greedy(prompts[0], 32), None, None, None, None)   # propose reads its tokens and counts
+    seq.output = seq.params.prompt[:12]   # repeats the prompt's start: the lookup proposes what followed it
+    speculation = Speculation(draft_max=16)
+    seq.draft_hits, seq.draft_misses = 20.0, 0.0
+    assert len(speculation.propose(seq, 16, cost, cost.decode_s, 0)) >= 6
+    seq.draft_hits, seq.draft_misses = 0.0, 6.0
+    assert speculation.propose(seq, 16, cost, cost.decode_s, 0) == []
+    declined = 1
+    while not speculation.propose(seq, 16, cost, cost.decode_s, 0):
+        declined += 1
+    assert 1 < declined < 20
 
 
 def test_greedy_replies_equal_without_speculation_with_concurrent_sequences(model, prompts):

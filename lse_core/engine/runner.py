@@ -103,7 +103,7 @@ class Runner:
             token = seq.forced.pop(0) if seq.forced else int(out.next_tokens[samples.start])
             seq.append(token, token_logprobs(out.logits[samples.start], token, top) if top is not None else None)
             return
-        draft, seq.draft = seq.draft, []
+        draft = seq.draft   # the scheduler sets the next step's
         accepted = 0
         for row in range(samples.start, samples.stop):
             token = int(out.next_tokens[row])

@@ -17,7 +17,7 @@ import numpy as np
 
 from lse_core.engine.kv_slots import KVSlots
 from lse_core.engine.sequence import Sequence
-from lse_core.engine.speculation import MAX_SPECULATING_DECODES, Speculation
+from lse_core.engine.speculation import MAX_SPECULATING_DECODES, DraftCost, Speculation
 from lse_core.errors import server_error
 
 # What a step with decodes may take, in seconds: the gap a running stream sees between two tokens is about one
@@ -116,6 +116,7 @@ class Scheduler:
         self.step_target_s = step_target_s
         self.cost = cost or StepCost()
         self.speculation = speculation
+        self.draft_cost = DraftCost()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -182,20 +183,29 @@ class Scheduler:
             seq.draft = []
         if self.speculation is None or len(decoding) > MAX_SPECULATING_DECODES:
             return
+        step_s, step_tokens = self.draft_cost.decode_s, len(decoding) - 1   # the others' tokens: each proposes after
         for seq in decoding:
             params = seq.params
             if not params.speculative or params.constraint is not None or seq.forced or rows_left <= 0:
+                step_tokens += 1
                 continue
             # the reply's last token comes from the step's final row: no proposal past max_new_tokens, and
             # so none past the context (the engine admits no prompt + max_new_tokens beyond it)
             room = min(rows_left, params.max_new_tokens - len(seq.output) - 1)
-            seq.draft = self.speculation.propose(seq, room) if room > 0 else []
+            if room > 0:
+                seq.draft = self.speculation.propose(seq, room, self.draft_cost, step_s, step_tokens)
             rows_left -= len(seq.draft)
+            step_s += len(seq.draft) * self.draft_cost.per_row
+            step_tokens += 1 + len(seq.draft) / 2   # a rough share kept, for the next sequence's choice
 
     def observe(self, batch: Batch, starts: list[int], seconds: float) -> None:
-        """Take a step's measured time; ``starts`` are its sequences' context positions before it ran."""
-        self.cost.observe(sum(n == 1 for _, n in batch),
-                          [(start, n) for (_, n), start in zip(batch, starts) if n > 1], seconds)
+        """Take a step's measured time; ``starts`` are its sequences' context positions before it ran. Its
+        proposed tokens' rows are costed apart (DraftCost), and left out of what the decodes cost."""
+        draft_rows = sum(len(seq.draft) for seq, _ in batch)
+        chunks = [(start, n) for (_, n), start in zip(batch, starts) if n > 1]
+        if not chunks:
+            self.draft_cost.observe(draft_rows, seconds)
+        self.cost.observe(sum(n == 1 for _, n in batch), chunks, seconds - draft_rows * self.draft_cost.per_row)
 
     def release(self, seq: Sequence) -> None:
         """Free the sequence's slot, remembering the tokens its cache now holds."""

@@ -99,7 +99,8 @@ class Sequence:
         self.draft: list[int] = []    # tokens proposed this step, checked as extra rows after the last token
         self.draft_n = 0              # tokens proposed over the reply, and how many of them it kept
         self.draft_n_accepted = 0
-        self.acceptance = 1.0         # moving average of the share of proposed tokens kept
+        self.draft_hits = 0.0         # decaying counts of proposed tokens kept and rejected (speculation.py)
+        self.draft_misses = 0.0
 
     @property
     def tokens(self) -> list[int]:
