@@ -147,14 +147,20 @@ def _rope(device: JitDevice, node: Node, params: list[Any], ctx: CompileContext)
     return Instruction(ROPE, (node.output,), node.inputs, (cos, sin, int(node.attrs["head_dim"])), uses_cache=True)
 
 
+NO_SINKS = np.zeros(0, np.float32)   # plain attention's sinks: one array, so every program lists it once
+
+
 def _attention(device: JitDevice, node: Node, params: list[Any], ctx: CompileContext) -> Instruction:
+    """attention, and sink_attention (its sinks, a logit per query head, are its one weight)."""
     n_heads, n_kv, head_dim = (int(node.attrs[k]) for k in ("n_heads", "n_kv_heads", "head_dim"))
     k_kind, v_kind = attention.KV_KINDS[ctx.cache_type_k], attention.KV_KINDS[ctx.cache_type_v]
     # head-major rows of bytes; the OS commits a slot's pages as its positions are first written
     k_cache, v_cache = (sparse_zeros((ctx.kv_slots, n_kv, ctx.kv_len, attention.row_bytes(kind, head_dim)), np.uint8)
                         for kind in (k_kind, v_kind))
     window = int(node.attrs.get("window") or 0)
-    return Instruction(ATTENTION, (node.output,), node.inputs, (k_cache, v_cache, n_heads, window, k_kind, v_kind),
+    sinks = device._weight(params[0]) if params else NO_SINKS
+    return Instruction(ATTENTION, (node.output,), node.inputs,
+                       (k_cache, v_cache, n_heads, window, k_kind, v_kind, sinks),
                        float(node.attrs["scale"]), width=n_heads * head_dim, uses_cache=True)
 
 
@@ -168,6 +174,7 @@ _INSTRUCTIONS = {
     "linear": _linear,
     "rope": _rope,
     "attention": _attention,
+    "sink_attention": _attention,
     "last_rows": _last_rows,
 }
 

@@ -300,10 +300,11 @@ def store_kv(k, v, k_cache, v_cache, k_kind, v_kind, positions, row_slot, t0, t1
 
 
 @njit(cache=True)
-def attention(q, k_cache, v_cache, k_kind, v_kind, positions, row_slot, n_heads, scale, window, out, i0, i1):
+def attention(q, k_cache, v_cache, k_kind, v_kind, positions, row_slot, n_heads, scale, window, sinks, out, i0, i1):
     """Items i0 .. i1 - 1 of a step's n_rows x n_kv (query row, kv head) pairs: each query row attends to
     its sequence's cached positions [max(0, p - window + 1), p] (window 0: from 0); query head h reads
-    kv head h // (n_heads // n_kv)."""
+    kv head h // (n_heads // n_kv). ``sinks``: a logit per query head in its softmax's denominator (gpt-oss's
+    sink_attention), or empty (NO_SINKS)."""
     n_kv, n_rows = k_cache.shape[1], q.shape[0]
     for item in range(i0, i1):
         # rows zigzag (0, n-1, 1, n-2, ...): a prefill row's work grows with its position, so each
@@ -313,7 +314,7 @@ def attention(q, k_cache, v_cache, k_kind, v_kind, positions, row_slot, n_heads,
         p = positions[t]
         first = max(0, p - window + 1) if window > 0 else 0
         _attend(q, k_cache[row_slot[t], g], v_cache[row_slot[t], g], k_kind, v_kind, first, p + 1, t, g,
-                n_heads // n_kv, q.shape[1] // n_heads, scale, out)
+                n_heads // n_kv, q.shape[1] // n_heads, scale, sinks, out)
 
 
 @njit(cache=True, fastmath={"nnan", "nsz", "reassoc"})
@@ -328,10 +329,11 @@ def _top(scores):
 
 
 @njit(cache=True, fastmath=DOT_MATH)
-def _exponentiate(scores):
-    """scores[j] = exp(scores[j] - their largest); returns their sum. On a 1-D row, so the loop vectorizes."""
-    top = _top(scores)
-    total = np.float32(0.0)
+def _exponentiate(scores, sink):
+    """scores[j] = exp(scores[j] - m), m the largest of them and ``sink``; returns their sum plus exp(sink - m)
+    (sink -inf: none). On a 1-D row, so the loop vectorizes."""
+    top = max(_top(scores), sink)
+    total = expf(sink - top)
     for j in range(scores.shape[0]):
         e = expf(scores[j] - top)
         scores[j] = e
@@ -340,7 +342,7 @@ def _exponentiate(scores):
 
 
 @njit(cache=True, fastmath=DOT_MATH)
-def _attend(q, keys, values, k_kind, v_kind, first, end, t, g, group, head_dim, scale, out):
+def _attend(q, keys, values, k_kind, v_kind, first, end, t, g, group, head_dim, scale, sinks, out):
     """Query row t's heads of kv head g (a group of them) over cached keys and values [kv_len, row bytes],
     rows first .. end - 1. Each block of eight keys meets every head of the group while it is in L1."""
     n = end - first
@@ -365,7 +367,8 @@ def _attend(q, keys, values, k_kind, v_kind, first, end, t, g, group, head_dim, 
             for d in range(vector_dims, head_dim):
                 total += scaled_q[hh, d] * _cached(keys[first + j], d, k_kind)
             scores[hh, j] = total
-        totals[hh] = _exponentiate(scores[hh, :n])
+        sink = sinks[g * group + hh] if sinks.shape[0] else np.float32(-np.inf)
+        totals[hh] = _exponentiate(scores[hh, :n], sink)
     base = g * group * head_dim  # the group's heads' outputs, side by side
     for d in range(group * head_dim):
         out[t, base + d] = 0.0

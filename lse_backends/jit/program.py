@@ -64,7 +64,8 @@ _LINEAR_PAIRS = types.FunctionType(types.UniTuple(_INT, 2)(
     _INT, _QMAT, _ACT, _ACT, _INT, _INT, types.float32[::1], types.boolean, _INT))
 _STORE_KV = types.FunctionType(types.void(_ACT, _ACT, _CACHE, _CACHE, _INT, _INT, _STEP, _INDICES, _INT, _INT))
 _ATTENTION = types.FunctionType(types.void(
-    _ACT, _CACHE, _CACHE, _INT, _INT, _STEP, _INDICES, _INT, types.float32, _INT, _ACT, _INT, _INT))
+    _ACT, _CACHE, _CACHE, _INT, _INT, _STEP, _INDICES, _INT, types.float32, _INT, _LIST_TYPES["vecs"], _ACT, _INT,
+    _INT))
 _EMBED_ROWS_SIGNATURE = (_INT, _QMAT, _STEP, types.float32, _ACT)   # quant.embed_rows, as _run calls it
 _LISTS = [types.ListType(_LIST_TYPES[kind]) for kind in ("acts", "flats", "mats", "qmats", "vecs", "caches", "fns")]
 _RUN = types.FunctionType(types.void(
@@ -237,7 +238,7 @@ def _run(c, phase, item, n_items, n, scalar, acts, flats, mats, qmats, vecs, cac
     elif op == ATTENTION:
         i0, i1 = _span(n * caches[c[ARG]].shape[1], n_items, item)
         attention(acts[c[IN]][:n], caches[c[ARG]], caches[c[ARG + 1]], c[ARG + 4], c[ARG + 5], positions,
-                  row_slot, c[ARG + 2], scalar, c[ARG + 3], acts[out][:n], i0, i1)
+                  row_slot, c[ARG + 2], scalar, c[ARG + 3], vecs[c[ARG + 6]], acts[out][:n], i0, i1)
     elif op == FUSED:
         s0, s1 = _span(n * acts[c[IN]].shape[1], n_items, item)
         empty = np.empty(0, np.float32)
