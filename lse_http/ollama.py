@@ -113,7 +113,7 @@ def _listed(models: ModelSet) -> list[tuple[ollama.ListedModel, str | None, api.
 
 async def tags(request: Request) -> Response:
     listed = await run_in_threadpool(_listed, _models(request))
-    return _json(ollama.ModelList(models=[entry for entry, _, _ in listed]))
+    return _json(ollama.OllamaModelList(models=[entry for entry, _, _ in listed]))
 
 
 async def running(request: Request) -> Response:

@@ -4,7 +4,8 @@ or TypedDicts that build them (REPLY_TYPES: chat and text completions and their 
 lse_context, lse_warnings entries, /tokenize's and /detokenize's answers, the error body, /v1/models and its
 entries, count_tokens, embeddings, CPU-fallback counters, /health, /v1/lse/model_info and /v1/lse/status; the
 Responses API's response, its stream events and DELETE's answer; the Messages API's message, its stream events
-and its error body). The schemas written here are the error responses and the paths. Its schemas are JSON Schema
+and its error body; Ollama's requests, replies, stream lines and error body under /api/). The schemas written
+here are the error responses and the paths. Its schemas are JSON Schema
 2020-12; the server tests validate real responses against them.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 from pydantic import TypeAdapter
 
 from lse_core import api, model_set, protocol
-from lse_core.adapters import anthropic, responses
+from lse_core.adapters import anthropic, ollama, responses
 from lse_core.adapters.anthropic import CountTokensRequest, MessagesRequest
 from lse_core.adapters.common import TOKEN_ID_MARK, WIDTH_MARK
 from lse_core.adapters.openai import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeBody
@@ -61,14 +62,18 @@ REPLY_TYPES = (protocol.Usage, protocol.Timings, protocol.LSEWarning, LSEContext
                protocol.Health, EmbeddingList, CPUFallback, protocol.ChatCompletion, protocol.ChatCompletionChunk,
                protocol.TextCompletion, protocol.TextCompletionChunk, responses.Response, responses.ResponseStreamEvent,
                responses.DeletedResponse, responses.Compaction, anthropic.Message, anthropic.MessageStreamEvent,
-               anthropic.AnthropicError, Thinking, GenerationDefaults, api.Device, api.ModelInfo, model_set.Status)
+               anthropic.AnthropicError, Thinking, GenerationDefaults, api.Device, api.ModelInfo, model_set.Status,
+               ollama.ChatResponse, ollama.ChatPart, ollama.GenerateResponse, ollama.GeneratePart, ollama.LoadResponse,
+               ollama.EmbedResponse, ollama.EmbeddingResponse, ollama.OllamaModelList, ollama.RunningList,
+               ollama.ShowResponse, ollama.Version, ollama.OllamaError)
 
 
 def model_schemas() -> dict[str, Any]:
     """Every request body as the pydantic model that checks it declares it, and the replies and reply parts
     built from pydantic types (REPLY_TYPES) as they serialize."""
     requests = (ChatCompletionRequest, CompletionRequest, TokenizeBody, DetokenizeRequest, ResponsesRequest,
-                CompactRequest, MessagesRequest, CountTokensRequest, EmbeddingsRequest)
+                CompactRequest, MessagesRequest, CountTokensRequest, EmbeddingsRequest, ollama.ChatRequest,
+                ollama.GenerateRequest, ollama.EmbedRequest, ollama.OllamaEmbeddingsRequest, ollama.ShowRequest)
     inputs = [(m, "validation", TypeAdapter(m)) for m in requests] + [
         (m, "serialization", TypeAdapter(m)) for m in REPLY_TYPES]   # TypeAdapter: TypedDicts as well as models
     _, schema = TypeAdapter.json_schemas(inputs, ref_template="#/components/schemas/{model}")
@@ -116,15 +121,55 @@ def typed_stream_path(summary: str, request: str, response: str, event: str, err
 
 
 ANTHROPIC_ERRORS = {str(status): json_body(ref("AnthropicError"), text) for status, text in ERROR_TEXT.items()}
+OLLAMA_ERRORS = {str(status): json_body(ref("OllamaError"), text) for status, text in ERROR_TEXT.items()}
+NDJSON = "application/x-ndjson"
+
+
+def ollama_generation(summary: str, request: str, reply: str, part: str) -> dict[str, Any]:
+    """/api/chat or /api/generate: a reply (or, for a body with nothing to answer, the model's load), or by
+    default lines of JSON: the parts, then the reply (or the error of a request that fails once streaming)."""
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
+        "responses": {
+            "200": {"description": f"with stream: false a {reply} (a LoadResponse when the body asks for no "
+                                   f"reply), else {NDJSON}: a {part} per line, then the {reply} (or an OllamaError)",
+                    "content": {"application/json": {"schema": {"anyOf": [ref(reply), ref("LoadResponse")]}},
+                                NDJSON: {"schema": {"anyOf": [ref(part), ref(reply), ref("OllamaError")]}}}},
+            **OLLAMA_ERRORS}}}
+
+
+def ollama_paths() -> dict[str, Any]:
+    """Ollama's API under /api/ (lse_http.ollama), its errors in Ollama's shape; model management answers 501."""
+    management = json_body(ref("OllamaError"), "not supported: LSE serves the model files given to lse-server")
+    paths: dict[str, Any] = {
+        "/api/chat": ollama_generation("Ollama's chat", "ChatRequest", "ChatResponse", "ChatPart"),
+        "/api/generate": ollama_generation("Ollama's generate (raw: a completion of the prompt)",
+                                           "GenerateRequest", "GenerateResponse", "GeneratePart"),
+        "/api/embed": post("Ollama's embeddings of each input", "EmbedRequest", "EmbedResponse", OLLAMA_ERRORS),
+        "/api/embeddings": post("Ollama's legacy embedding of one prompt", "OllamaEmbeddingsRequest",
+                                "EmbeddingResponse", OLLAMA_ERRORS),
+        "/api/show": post("Ollama's details of a model, loaded if it is not", "ShowRequest", "ShowResponse",
+                          OLLAMA_ERRORS),
+        "/api/tags": get("Ollama's list of the served models", "OllamaModelList", error_bodies=OLLAMA_ERRORS),
+        "/api/ps": get("Ollama's list of the loaded models", "RunningList", error_bodies=OLLAMA_ERRORS),
+        "/api/version": get("The Ollama version whose API this follows", "Version", error_bodies=OLLAMA_ERRORS),
+    }
+    for action in ollama.MODEL_MANAGEMENT:
+        method = "delete" if action == "delete" else "post"
+        paths[f"/api/{action}"] = {method: {"summary": f"Ollama's {action}: not supported", "responses": {
+            "501": management, **{str(s): OLLAMA_ERRORS[str(s)] for s in (401, 403)}}}}
+    return paths
 
 
 GET_ERRORS = (401, 403, 500, 503)   # what any GET may answer besides 200 (a key, the Host, loading)
 
 
-def get(summary: str, schema: str, *errors: int, media: str = "application/json") -> dict[str, Any]:
+def get(summary: str, schema: str, *errors: int, media: str = "application/json",
+        error_bodies: dict[str, Any] = ERRORS) -> dict[str, Any]:
     return {"get": {"summary": summary, "responses": {
         "200": {"description": summary, "content": {media: {"schema": ref(schema) if schema else STRING}}},
-        **{str(s): ERRORS[str(s)] for s in sorted({*GET_ERRORS, *errors})}}}}
+        **{str(s): error_bodies[str(s)] for s in sorted({*GET_ERRORS, *errors})}}}}
 
 
 def post(summary: str, request: str, response: str, errors: dict[str, Any] = ERRORS) -> dict[str, Any]:
@@ -203,6 +248,7 @@ OPENAPI: dict[str, Any] = {
         "/metrics": get("Prometheus metrics", "", 503, media="text/plain"),
         "/openapi.json": {"get": {"summary": "This document", "responses": {"200": json_body({"type": "object"},
                                                                                             "OpenAPI 3.1")}}},
+        **ollama_paths(),
     },
 }
 

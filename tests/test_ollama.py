@@ -25,7 +25,7 @@ import ollama
 import pytest
 from test_embeddings import busy
 from test_responses import SMALL_SCHEMA, chat, prompt_tokens
-from test_server import API_KEY, CHAT_TEMPLATE, HELLO, HRX, Server, lse_server
+from test_server import API_KEY, CHAT_TEMPLATE, HELLO, HRX, Server, lse_server, validate
 from test_thinking_e2e import QWEN3, scripted_thinking, thinking_checkpoint
 from test_tool_calls import CALL, TOOLS, scripted, tool_checkpoint
 
@@ -298,6 +298,8 @@ def test_keep_alive(client: ollama.Client, model: str, served: dict[str, Any]) -
     assert other in {m.model for m in client.ps().models}
     client.chat(model=other, messages=HELLO, keep_alive=0, options={"num_predict": 1})
     wait_until(lambda: other not in {m.model for m in client.ps().models})
+    assert client.generate(model=other, keep_alive=1e300).done_reason == "load"   # past any timestamp: forever
+    assert {m.model: m.expires_at for m in client.ps().models}[other] == datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC)
 
 
 def wait_until(condition: Any, timeout: float = 60) -> None:
@@ -305,6 +307,29 @@ def wait_until(condition: Any, timeout: float = 60) -> None:
     while not condition():
         assert time.monotonic() < deadline, "the model was not unloaded"
         time.sleep(0.05)
+
+
+def test_openapi_describes_the_replies(http: httpx.Client, model: str) -> None:
+    """/openapi.json declares each /api/ route, and its answers are valid against the schemas it names."""
+    doc = http.get("/openapi.json").json()
+    assert {f"/api/{name}" for name in ("chat", "generate", "embed", "embeddings", "show", "tags", "ps", "version",
+                                        "pull", "delete")} <= set(doc["paths"])
+    body = {"model": model, "messages": HELLO, "options": {"num_predict": 3}}
+    validate(body, "ChatRequest", doc)
+    validate(http.post("/api/chat", json=body | {"stream": False}).json(), "ChatResponse", doc)
+    with http.stream("POST", "/api/chat", json=body) as response:
+        *parts, last = lines(response)
+    for part in parts:
+        validate(part, "ChatPart", doc)
+    validate(last, "ChatResponse", doc)
+    validate(http.post("/api/generate", json={"model": model}).json(), "LoadResponse", doc)
+    validate(http.post("/api/embed", json={"model": model, "input": ["Hi"]}).json(), "EmbedResponse", doc)
+    validate(http.post("/api/embeddings", json={"model": model, "prompt": "Hi"}).json(), "EmbeddingResponse", doc)
+    validate(http.post("/api/show", json={"model": model}).json(), "ShowResponse", doc)
+    for path, schema in (("tags", "OllamaModelList"), ("ps", "RunningList"), ("version", "Version")):
+        validate(http.get(f"/api/{path}").json(), schema, doc)
+    validate(http.post("/api/chat", json={"model": model, "messages": "Hi"}).json(), "OllamaError", doc)
+    validate(http.post("/api/pull", json={"model": model}).json(), "OllamaError", doc)
 
 
 def test_the_server_still_serves_after_bad_input(client: ollama.Client, model: str) -> None:

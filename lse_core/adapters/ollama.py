@@ -9,7 +9,7 @@ each named in lse_warnings); ``format`` the reply's JSON constraint; ``think`` t
 or the level, so the template's levels decide as on every endpoint. The core's chunks become Ollama's objects,
 streamed one per line; the last one carries Ollama's counters (durations in nanoseconds) beside LSE's
 stop_reason, lse_context, timings and lse_warnings. Errors are Ollama's {"error": "<message>"} with LSE's type,
-code and param beside it."""
+code and param beside it. A shape named as another API's is named Ollama... here: /openapi.json names them all."""
 
 from __future__ import annotations
 
@@ -52,6 +52,9 @@ DONE_REASONS: dict[str, DoneReason] = {"stop_token": "stop", "stop_sequence": "s
                                        "context_full": "length", "cancelled": "stop"}
 MODEL_MANAGEMENT = ("pull", "push", "create", "copy", "delete")
 FOREVER = "9999-12-31T23:59:59Z"   # /api/ps' expires_at of a model that stays loaded
+# a keep_alive longer than this (about 31 years; an infinite one too) is forever: a later expiry is past what a
+# timestamp can say, and past any timer's range
+KEEP_ALIVE_FOREVER_S = 1e9
 GO_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -68,7 +71,7 @@ class ToolCallParam(Part):
     function: ToolCallFunctionParam
 
 
-class MessageParam(Part):
+class OllamaMessageParam(Part):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = None
     thinking: str | None = None
@@ -94,7 +97,7 @@ class GenerationParams(Body):
 
 
 class ChatRequest(GenerationParams):
-    messages: list[MessageParam] = []
+    messages: list[OllamaMessageParam] = []
     tools: list[dict[str, Any]] | None = None
 
 
@@ -117,7 +120,7 @@ class EmbedRequest(Body):
     keep_alive: KeepAlive | None = None
 
 
-class EmbeddingsRequest(Body):
+class OllamaEmbeddingsRequest(Body):
     """The legacy /api/embeddings: one prompt."""
 
     model: str | None = None
@@ -139,12 +142,21 @@ def show_model(body: Any) -> str | None:
 
 
 def keep_alive(body: Any) -> float | None:
-    """The seconds a body's keep_alive asks the model to stay loaded once idle (negative: forever); None when it
-    names none. Raises LSEError for a value that is no duration."""
+    """The seconds a body's keep_alive asks the model to stay loaded once idle (negative: forever, as is a time
+    past KEEP_ALIVE_FOREVER_S); None when it names none. Raises LSEError for a value that is no duration."""
     value = body.get("keep_alive") if isinstance(body, dict) else None
     if value is None:
         return None
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+    seconds = _duration(value)
+    if seconds is None or math.isnan(seconds):
+        raise invalid_request(f"keep_alive must be a number of seconds or a duration such as \"5m\" or \"1h30m\", "
+                              f"got {value!r:.40}", "invalid_value", "keep_alive")
+    return -1.0 if seconds > KEEP_ALIVE_FOREVER_S else seconds
+
+
+def _duration(value: Any) -> float | None:
+    """Seconds of a number, or of a string holding one or a Go duration ("-1m", "1h30m"); None for anything else."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, str):
         text = value.strip()
@@ -155,15 +167,16 @@ def keep_alive(body: Any) -> float | None:
         sign, digits = (-1.0, text[1:]) if text.startswith("-") else (1.0, text.removeprefix("+"))
         if digits and GO_DURATION.sub("", digits) == "":
             return sign * sum(float(n) * GO_UNITS[unit] for n, unit in GO_DURATION.findall(digits))
-    raise invalid_request(f"keep_alive must be a number of seconds or a duration such as \"5m\" or \"1h30m\", "
-                          f"got {value!r:.40}", "invalid_value", "keep_alive")
+    return None
 
 
 def loads_only(body: Any, endpoint: Literal["chat", "generate"]) -> bool:
-    """An empty request, which only loads the model (or with keep_alive 0 unloads it), as Ollama's do."""
-    if not isinstance(body, dict):
-        return False
-    return not body.get("messages") if endpoint == "chat" else not body.get("prompt") and not body.get("images")
+    """An empty request, which only loads the model (or with keep_alive 0 unloads it), as Ollama's do; raises
+    LSEError for a body that is no request (so it loads nothing)."""
+    if endpoint == "chat":
+        return not checked(ChatRequest, body).messages
+    req = checked(GenerateRequest, body)
+    return not req.prompt and not req.images
 
 
 def chat_start(body: Any, model_id: str, context_length: int) -> tuple[dict[str, Any], OllamaTranslation]:
@@ -209,7 +222,7 @@ def _no_images(images: list[str] | None, param: str) -> None:
                               param)
 
 
-def _chat_message(message: MessageParam) -> dict[str, Any]:
+def _chat_message(message: OllamaMessageParam) -> dict[str, Any]:
     """An Ollama message as a chat message: earlier calls' arguments as JSON text, earlier thinking as
     reasoning_content, a tool result's tool_name as its name."""
     chat: dict[str, Any] = {"role": message.role, "content": message.content or ""}
@@ -312,16 +325,16 @@ class ToolCallFunction(TypedDict):
     arguments: dict[str, Any]           # an object, not JSON text
 
 
-class ToolCall(TypedDict):
+class OllamaToolCall(TypedDict):
     id: str
     function: ToolCallFunction
 
 
-class ReplyMessage(TypedDict):
+class OllamaReplyMessage(TypedDict):
     role: Literal["assistant"]
     content: str
     thinking: NotRequired[str]
-    tool_calls: NotRequired[list[ToolCall]]
+    tool_calls: NotRequired[list[OllamaToolCall]]
 
 
 class _Part(TypedDict):
@@ -331,7 +344,7 @@ class _Part(TypedDict):
 
 
 class ChatPart(_Part):
-    message: ReplyMessage
+    message: OllamaReplyMessage
 
 
 class GeneratePart(_Part):
@@ -367,7 +380,7 @@ class LoadResponse(_Part):
     """The answer to a request that only loads or unloads the model."""
 
     done_reason: DoneReason
-    message: NotRequired[ReplyMessage]   # /api/chat's
+    message: NotRequired[OllamaReplyMessage]   # /api/chat's
     response: NotRequired[str]           # /api/generate's
 
 
@@ -400,11 +413,11 @@ class OllamaTranslation:
         self.start_ns = time.monotonic_ns()
         self.content: list[str] = []
         self.thinking: list[str] = []
-        self.tool_calls: list[ToolCall] = []
+        self.tool_calls: list[OllamaToolCall] = []
 
     def feed(self, delta: CoreDelta, prompt_tokens: int = 0) -> list[ChatPart | GeneratePart]:
         self.started = True
-        calls = [ToolCall(id=call["id"], function=ToolCallFunction(
+        calls = [OllamaToolCall(id=call["id"], function=ToolCallFunction(
             index=len(self.tool_calls) + i, name=call["function"]["name"],
             arguments=json.loads(call["function"]["arguments"]))) for i, call in enumerate(delta.tool_calls)]
         self.content.append(delta.content)
@@ -414,13 +427,13 @@ class OllamaTranslation:
             return []
         return [self._part(delta.content, delta.reasoning, calls, done=False)]
 
-    def _part(self, content: str, thinking: str, calls: list[ToolCall], done: bool) -> ChatPart | GeneratePart:
+    def _part(self, content: str, thinking: str, calls: list[OllamaToolCall], done: bool) -> ChatPart | GeneratePart:
         if self.endpoint == "generate":
             part = GeneratePart(model=self.model, created_at=_now(), response=content, done=done)
             if thinking:
                 part["thinking"] = thinking
             return part
-        message = ReplyMessage(role="assistant", content=content)
+        message = OllamaReplyMessage(role="assistant", content=content)
         if thinking:
             message["thinking"] = thinking
         if calls:
@@ -453,7 +466,7 @@ def _ns(ms: float) -> int:
 def load_response(endpoint: Literal["chat", "generate"], model: str, unloading: bool) -> LoadResponse:
     response = LoadResponse(model=model, created_at=_now(), done=True, done_reason="unload" if unloading else "load")
     if endpoint == "chat":
-        response["message"] = ReplyMessage(role="assistant", content="")
+        response["message"] = OllamaReplyMessage(role="assistant", content="")
     else:
         response["response"] = ""
     return response
@@ -479,7 +492,7 @@ class EmbeddingResponse(TypedDict):
 def embeddings_body(body: Any, legacy: bool, context_length: int) -> tuple[dict[str, Any], list[LSEWarning]]:
     """An /api/embed body (``input``), or the ``legacy`` /api/embeddings' (``prompt``), as the /v1/embeddings
     body, and a warning per option ignored (none bears on a vector but num_ctx, checked); raises LSEError."""
-    req = checked(EmbeddingsRequest if legacy else EmbedRequest, body)
+    req = checked(OllamaEmbeddingsRequest if legacy else EmbedRequest, body)
     options = req.options or {}
     _check_num_ctx(options, context_length)
     embeddings = {"model": req.model, "input": req.prompt if legacy else req.input}
@@ -523,7 +536,7 @@ class ListedModel(TypedDict):
     details: ModelDetails
 
 
-class ModelList(TypedDict):
+class OllamaModelList(TypedDict):
     models: list[ListedModel]
 
 
