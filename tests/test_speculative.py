@@ -16,10 +16,16 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from checkpoints import make_step, prompt_ids
+from test_api_contract import open_engine
+from test_api_contract import reply as api_reply
+from test_thinking_budget import BUDGET, qwen38  # noqa: F401 (a fixture)
+from test_thinking_budget import body as thinking_body
+from test_thinking_budget import expected as thinking_reference  # noqa: F401 (a fixture)
 
 from lse_backends.cpu import CPUDevice
 from lse_core.api import lse_close, lse_open_or_raise, lse_request_iter
 from lse_core.devices.hookspec import CompileContext
+from lse_core.engine import scheduler
 from lse_core.engine.engine import Engine
 from lse_core.engine.sequence import SeqParams, Sequence
 from lse_core.engine.speculation import DraftCost, Speculation, ngram_proposal
@@ -33,6 +39,19 @@ TEXTS = ["def add(a, b):\n    return a + b\n" * 3, "The quick brown fox jumps ov
          "Paris is the capital of France; Berlin is the capital of Germany; Rome is",
          "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000"]
 KV_LEN = 160
+
+
+class UnmeasuredRows(DraftCost):
+    """A draft cost that measures nothing: every proposal looks free, so every lookup is checked whole (the
+    measured cost makes how much is proposed depend on the machine's timing, which tests must not)."""
+
+    def observe(self, draft_rows: int, seconds: float) -> None:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def every_proposal_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scheduler, "DraftCost", UnmeasuredRows)
 
 
 @pytest.fixture(scope="module")
@@ -236,3 +255,35 @@ def test_default_model_request_may_turn_it_off_and_is_checked(servers):
     assert events[-1].kind == "error" and events[-1].status == 400
     error = events[-1].data["error"]
     assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_type", "speculative")
+
+
+# ---- a thinking budget, structured output and tool calls: tiny checkpoints through the request API ----
+
+def test_a_thinking_budget_closes_the_block_where_it_would(qwen38, thinking_reference):  # noqa: F811 (fixtures)
+    """test_thinking_budget's reply (transformers' reference) with speculation: the forced end marker ends a
+    kept run of proposals, and the answer follows it."""
+    with open_engine(qwen38, kv_len=256, spec_type="ngram") as lse:
+        data = api_reply(lse, thinking_body(thinking_budget=BUDGET))
+        message = data["choices"][0]["message"]
+        assert message["reasoning_content"].strip() == thinking_reference["reasoning"].strip()
+        assert message["content"].strip() == thinking_reference["answer"].strip() and message["content"]
+        unbounded = api_reply(lse, thinking_body())
+        reasoning = unbounded["choices"][0]["message"]["reasoning_content"]
+        assert reasoning.strip() == thinking_reference["unbounded"].strip()
+        assert data["timings"]["draft_n"] > 0
+
+
+def test_structured_output_and_tool_calls_equal_without_speculation(llama_checkpoint, qwen38):  # noqa: F811
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    constrained = {"prompt": "The quick brown fox " * 4, "max_tokens": 24, "temperature": 0,
+                   "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+    with open_engine(llama_checkpoint) as plain, open_engine(llama_checkpoint, spec_type="ngram") as ngram:
+        got = api_reply(ngram, constrained, "completion")
+        assert got["choices"][0] == api_reply(plain, constrained, "completion")["choices"][0]
+        assert "draft_n" not in got["timings"]   # a constrained sequence does not speculate
+    tools = thinking_body(tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                          max_tokens=40)
+    with open_engine(qwen38, kv_len=1024) as plain, open_engine(qwen38, kv_len=1024, spec_type="ngram") as ngram:
+        got = api_reply(ngram, tools)
+        assert got["choices"][0] == api_reply(plain, tools)["choices"][0]
+        assert "draft_n" not in got["timings"]   # tools' calls are a (lazy) grammar: no speculation either
