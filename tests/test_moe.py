@@ -99,12 +99,12 @@ def test_combine_weighs_and_sums_the_slots():
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "MXFP4"])
 @pytest.mark.parametrize("per_slot", [False, True])
 def test_jit_expert_linear_reads_quantized_experts_in_place(qtype, per_slot):
     """Each chosen expert's rows of the laid-out blocks meet the rows routed to it, as jit:0's quantized linears
     do (test_quant_kernels: exact for the activations as the tiles see them), plus the expert's bias: steps of
-    one token, a few, and a prefill's."""
+    one token, a few, and a prefill's. MXFP4 experts are read as the Q8_0 blocks of their exact values."""
     from test_quant_kernels import gguf_weight, seen_by_kernels
 
     from lse_backends.jit import JitDevice, quant
@@ -128,9 +128,28 @@ def test_jit_expert_linear_reads_quantized_experts_in_place(qtype, per_slot):
         for e in (2, 5):
             rows, slots = np.nonzero(ids == e)
             routed = x3[rows, slots if per_slot else 0]
-            seen = seen_by_kernels(qtype, routed, quant.WIDE_PREFILL | quant.WIDE_DECODE).astype(np.float64)
+            seen = seen_by_kernels("Q8_0" if qtype == "MXFP4" else qtype, routed,
+                                   quant.WIDE_PREFILL | quant.WIDE_DECODE).astype(np.float64)
             expected = seen @ dense[e].T.astype(np.float64) + weights["b"][e]
             assert np.abs(got[rows, slots] - expected).max() <= 1e-5 * np.abs(expected).max(), (n, e)
+
+
+def test_mxfp4_becomes_the_q8_0_blocks_of_its_exact_values():
+    """jit:0 keeps MXFP4 as Q8_0 (d = 2^(e - 128) in f16, q the doubled e2m1 value), exactly; a zero block may
+    have any exponent, and an exponent f16 cannot hold elsewhere leaves the weight to float32."""
+    import gguf
+    from gguf import GGMLQuantizationType as QT
+
+    from lse_backends.jit.moe import mxfp4_as_q8_0
+
+    x = RNG.standard_normal((16, 128)).astype(np.float32) * 0.05
+    x[3, 32:64] = 0   # gguf gives this block the exponent 0, 2^-128
+    blocks = gguf.quants.quantize(x, QT.MXFP4)
+    as_q8_0 = mxfp4_as_q8_0(blocks)
+    assert as_q8_0.shape == (16, 4 * 34) and blocks.reshape(16, 4, 17)[3, 1, 0] == 0
+    np.testing.assert_array_equal(gguf.quants.dequantize(as_q8_0, QT.Q8_0), gguf.quants.dequantize(blocks, QT.MXFP4))
+    blocks.reshape(16, 4, 17)[5, 2, 0] = 200   # 2^72
+    assert mxfp4_as_q8_0(blocks) is None
 
 
 # --- Qwen3-MoE against transformers ------------------------------------------------------------

@@ -57,8 +57,11 @@ class JitDevice(Device):
         entry = self._prepared.get(id(weight))
         if entry is None:
             qtype = getattr(weight, "qtype", None)
-            if qtype in quant.KINDS and weight.shape[-1] % quant.BLOCK == 0:
-                form: Any = quant.prepare(qtype, weight.data, self._arena.empty)
+            as_q8_0 = moe.mxfp4_as_q8_0(weight.data) if qtype == "MXFP4" else None
+            if as_q8_0 is not None:   # exactly, in 34 bytes a block against float32's 128
+                form: Any = quant.prepare("Q8_0", as_q8_0, self._arena.empty)
+            elif qtype in quant.KINDS and weight.shape[-1] % quant.BLOCK == 0:
+                form = quant.prepare(qtype, weight.data, self._arena.empty)
             else:  # other types decode once, exactly, to float32
                 array = weight.dequantize() if hasattr(weight, "dequantize") else weight
                 form = np.ascontiguousarray(array, np.float32)

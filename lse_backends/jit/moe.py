@@ -84,3 +84,26 @@ def _quantized_experts(node: Node, weight: tuple[int, np.ndarray], shape: tuple[
         return out.reshape(n, k * width)
 
     return run
+
+
+# MXFP4's e2m1 values doubled (GGUF's kvalues), by their 4-bit code
+_E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def mxfp4_as_q8_0(data: np.ndarray) -> np.ndarray | None:
+    """GGUF MXFP4 blocks [rows, blocks * 17] (an e8m0 exponent e, then value j in byte j's low nibble and value
+    j + 16 in its high one, each 2^(e - 128) times a doubled e2m1 value) as the Q8_0 blocks of the same values:
+    q the doubled value, d = 2^(e - 128) as f16, exact where every block of values not all zero has such a d (e
+    from 104 to 143); else None."""
+    blocks = np.asarray(data, np.uint8).reshape(data.shape[0], -1, 17)
+    codes = np.concatenate([blocks[..., 1:] & 0x0F, blocks[..., 1:] >> 4], axis=-1)
+    exponents = blocks[..., 0].astype(np.int32) - 128
+    in_f16 = (exponents >= -24) & (exponents <= 15)
+    zero = ~np.any(codes & 0x07, axis=-1)   # codes 0 and 8 are +0 and -0: any d gives them
+    if not np.all(in_f16 | zero):
+        return None
+    out = np.empty((*blocks.shape[:2], 34), np.uint8)
+    scales = np.where(in_f16, np.ldexp(np.float32(1), np.clip(exponents, -24, 15)), np.float32(0))
+    out[..., :2] = scales.astype(np.float16)[..., None].view(np.uint8)
+    out[..., 2:] = _E2M1_DOUBLED[codes].view(np.uint8)
+    return out.reshape(data.shape[0], -1)
