@@ -90,9 +90,9 @@ class Runner:
 
     @staticmethod
     def _advance(seq: Sequence, n: int, out: StepOutput, rows: slice, samples: slice, rng_after: list[dict]) -> None:
-        """Take sequence's part of a step's output: ``n`` more tokens computed (its hidden ``rows``), and
-        when the prompt is done, the token sampled from its first row of ``samples``, then while each sampled
-        token is the draft's token its row checked, the next row's."""
+        """Take a sequence's part of a step's output: ``n`` more tokens computed (its hidden ``rows``), and when
+        the prompt is done, the token sampled from its first row of ``samples``; with a draft, while each
+        sampled token equals the draft token that row checked, the next row's token too."""
         if seq.params.on_hidden is not None:
             seq.params.on_hidden(out.hidden[rows])
         seq.computed += n
