@@ -44,8 +44,8 @@ class LSEConfig:
         if self.spec_type not in SPEC_TYPES:
             raise ValueError(f"spec_type {self.spec_type!r} is none of {', '.join(SPEC_TYPES)}")
         if not 0 <= self.draft_min <= self.draft_max:
-            raise ValueError(f"the draft's minimum {self.draft_min} and maximum {self.draft_max} must satisfy "
-                             "0 <= minimum <= maximum")
+            raise ValueError(f"draft_min (--draft-min) {self.draft_min} and draft_max (--draft-max) "
+                             f"{self.draft_max}: a proposal's least and most tokens, 0 <= least <= most")
 
     @property
     def cpu_fallback_refused(self) -> bool:

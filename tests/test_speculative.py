@@ -10,6 +10,7 @@ The default model runs on the default pool, --deterministic too, for the same re
 
 from __future__ import annotations
 
+import argparse
 import threading
 from dataclasses import replace
 
@@ -24,6 +25,8 @@ from test_thinking_budget import expected as thinking_reference  # noqa: F401 (a
 
 from lse_backends.cpu import CPUDevice
 from lse_core.api import lse_close, lse_open_or_raise, lse_request_iter
+from lse_core.cli import add_engine_options, config_from_args
+from lse_core.config import LSEConfig
 from lse_core.devices.hookspec import CompileContext
 from lse_core.engine import scheduler
 from lse_core.engine.engine import Engine
@@ -101,6 +104,18 @@ def assert_same_replies(model, params_list: list[SeqParams]) -> list:
         assert (text_b, b.stop_reason, b.stop_string) == (text_a, a.stop_reason, a.stop_string)
         assert a.draft_n == 0
     return [s for s, _ in speculative]
+
+
+def test_options_fill_the_config_and_contradictions_stop_the_program():
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    config = config_from_args(parser.parse_args(["--spec-type", "ngram", "--draft-max", "8", "--draft-min", "2"]))
+    assert (config.spec_type, config.draft_max, config.draft_min) == ("ngram", 8, 2)
+    assert (LSEConfig().spec_type, LSEConfig().draft_max) == ("none", 16)   # llama-server's default
+    with pytest.raises(SystemExit, match="--draft-min"):
+        config_from_args(parser.parse_args(["--draft-min", "5", "--draft-max", "2"]))
+    with pytest.raises(ValueError, match="spec_type"):
+        LSEConfig(spec_type="draft")
 
 
 def test_ngram_proposal_takes_what_followed_the_latest_longest_match():
