@@ -7,21 +7,23 @@ in one run, on the default model (or --model), greedy.
 Workloads, one sequence each: code_edit (a generated ~300-line Python file; the request asks for the file back
 with one function renamed, so most of the answer stands in the prompt) and chat (an open question, little to
 look up). Each reports the reply's decode tok/s (timings.predicted_per_second), the proposals made and kept, and
-whether the two replies are the same text (greedy: they must be). With --sequences N, N chat requests at once
-report the aggregate decode tok/s (reply tokens over the time from the last first token to the first end is not
-measured here: the whole requests' reply tokens over their wall time, prefill included, the same for both).
-The machine's load average (uptime) is printed: other work on its cores moves every figure.
+whether the two replies are the same text (greedy: with --deterministic they must be). With --sequences N, N chat
+requests at once report the aggregate tok/s: their reply tokens over the batch's wall time, prefill included,
+the same for both. Both engines stay open and take turns, --rounds times, and the medians are reported; the
+machine's load average is printed too: other work on its cores moves every figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import threading
 import time
 from typing import Any
 
 from lse_core.api import LSE, lse_close, lse_open_or_raise, lse_request_iter
+from lse_core.config import SPEC_TYPES
 
 NAMES = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo",
          "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor"]
@@ -95,32 +97,43 @@ def main() -> None:
                    help="batch-invariant kernels: the two replies are then the same text (the default kernels "
                         "pick paths by row count, so rounding can turn a near tie)")
     p.add_argument("--sequences", type=int, default=0, help="also N chat requests at once (default: none)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, the two engines taking turns; medians reported")
     args = p.parse_args()
     bodies = workloads(args.lines, args.max_tokens)
-    rows: dict[str, dict[str, tuple[str, dict[str, Any], float]]] = {}
-    batched: dict[str, float] = {}
-    for spec_type in ("none", "ngram"):
-        lse = lse_open_or_raise({"model": args.model, "pool": args.pool, "kv_len": args.kv_len, "spec_type": spec_type,
-                                 "parallel": max(args.sequences, 1), "deterministic": args.deterministic})
-        try:
+    engines = {spec_type: lse_open_or_raise({"model": args.model, "pool": args.pool, "kv_len": args.kv_len,
+                                             "spec_type": spec_type, "parallel": max(args.sequences, 1),
+                                             "deterministic": args.deterministic})
+               for spec_type in SPEC_TYPES}
+    last: dict[tuple[str, str], tuple[str, dict[str, Any], float]] = {}
+    speeds: dict[tuple[str, str], list[float]] = {}
+    try:
+        for lse in engines.values():
             reply(lse, dict(bodies["chat"], max_tokens=8))    # warm-up: first-step compiles stay out of the figures
-            rows[spec_type] = {name: reply(lse, body) for name, body in bodies.items()}
-            if args.sequences:
-                batched[spec_type] = aggregate(lse, bodies["chat"], args.sequences)
-        finally:
+        for _ in range(args.rounds):    # taking turns, so a change of the machine's load hits both alike
+            for name, body in bodies.items():
+                for spec_type, lse in engines.items():
+                    last[name, spec_type] = reply(lse, body)
+                    speeds.setdefault((name, spec_type), []).append(last[name, spec_type][1]["predicted_per_second"])
+            for spec_type, lse in engines.items():
+                if args.sequences:
+                    speeds.setdefault(("batched", spec_type), []).append(aggregate(lse, bodies["chat"], args.sequences))
+    finally:
+        for lse in engines.values():
             lse_close(lse)
-    print(f"load average (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}; {os.cpu_count()} CPUs")
+    median = {key: statistics.median(values) for key, values in speeds.items()}
+    print(f"load average (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}; {os.cpu_count()} CPUs; "
+          f"medians of {args.rounds} rounds")
     print("| workload | reply tokens | decode tok/s, none | ngram | ratio | proposed | kept | same text |")
     print("|---|---|---|---|---|---|---|---|")
     for name in bodies:
-        (text_a, plain, _), (text_b, ngram, _) = rows["none"][name], rows["ngram"][name]
-        ratio = ngram["predicted_per_second"] / plain["predicted_per_second"]
-        print(f"| {name} | {ngram['predicted_n']} | {plain['predicted_per_second']:.1f} | "
-              f"{ngram['predicted_per_second']:.1f} | {ratio:.2f}x | {ngram.get('draft_n', 0)} | "
+        (text_a, _, _), (text_b, ngram, _) = last[name, "none"], last[name, "ngram"]
+        print(f"| {name} | {ngram['predicted_n']} | {median[name, 'none']:.1f} | {median[name, 'ngram']:.1f} | "
+              f"{median[name, 'ngram'] / median[name, 'none']:.2f}x | {ngram.get('draft_n', 0)} | "
               f"{ngram.get('draft_n_accepted', 0)} | {text_a == text_b} |")
-    if batched:
-        print(f"| chat x{args.sequences}, aggregate | | {batched['none']:.1f} | {batched['ngram']:.1f} | "
-              f"{batched['ngram'] / batched['none']:.2f}x | | | |")
+    if args.sequences:
+        print(f"| chat x{args.sequences}, aggregate | | {median['batched', 'none']:.1f} | "
+              f"{median['batched', 'ngram']:.1f} | {median['batched', 'ngram'] / median['batched', 'none']:.2f}x "
+              "| | | |")
 
 
 if __name__ == "__main__":
