@@ -135,7 +135,8 @@ def append_sampling(graph: Graph) -> None:
 
 @dataclass
 class SamplingBatch:
-    """Per-sequence sampling parameters of one step (row i = sequence i)."""
+    """Sampling parameters of one step's sampled rows (row i = step.sample_rows[i]: a sequence's last row, or
+    one of the rows its speculative proposal rides on, each sampled with its sequence's parameters)."""
 
     temperature: np.ndarray          # float32 [S]
     top_k: np.ndarray                # int32 [S], 0 = off
@@ -144,7 +145,7 @@ class SamplingBatch:
     repetition_penalty: np.ndarray   # float32 [S], 1 = off
     presence_penalty: np.ndarray     # float32 [S], 0 = off
     recent: np.ndarray               # int32 [S, PENALTY_WINDOW], the most recent tokens, -1 padded
-    uniform: np.ndarray              # float32 [S], this step's random draw in [0, 1) per sequence
+    uniform: np.ndarray              # float32 [S], this step's random draw in [0, 1) per row
     constrained: np.ndarray | None = None   # bool [S], the rows the mask op rewrites; None: no row
     token_mask: np.ndarray | None = None    # int32 [S, ceil(vocab / 32)], allowed tokens as bits (after await_mask)
     mask_job: Future | None = None          # the masks, computed while the forward pass runs
@@ -163,7 +164,7 @@ class Step:
     positions: np.ndarray     # int32 [T], each token's position in its sequence
     slots: np.ndarray         # int32 [S], each sequence's KV-cache slot
     query_starts: np.ndarray  # int32 [S + 1], sequence i's rows are query_starts[i]:query_starts[i + 1]
-    sample_rows: np.ndarray   # int32 [S], the row of each sequence whose logits are sampled
+    sample_rows: np.ndarray   # int32 [S], the rows whose logits are sampled (a sequence's last, or each proposed one)
     sampling: SamplingBatch | None = None
     serial: int = 0           # increases every step; kernels may cache uploaded metadata by it
 
