@@ -31,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import FileResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
@@ -218,23 +218,8 @@ async def _complete(request: Request, start: StartRequest, writer: StreamWriter 
 async def answer(request: Request, body: Any, start: StartRequest, stream: bool, writer: StreamWriter,
                  media_type: str = "text/event-stream") -> Response:
     """_complete's answer to a body already read, its stream written by ``writer`` (lse_http.ollama's too)."""
-    lease = await _lease(request, body)
-    loop = asyncio.get_running_loop()
-    events = StreamEvents(request.app.state.stall_timeout)
-
-    def on_event(event: api.Event) -> None:   # called on the engine's thread
-        if stream or event.kind != api.EVENT_TOKEN:
-            loop.call_soon_threadsafe(events.put, event)
-
-    # lse_request renders and tokenizes the prompt: work for a thread, not the event loop
-    try:
-        handle = await run_in_threadpool(start, lease.lse, body, lease.until_end(on_event))
-    except BaseException:
-        lease.release()
-        raise
-    events.handle = handle
+    handle, events = await _start(request, body, start, tokens=stream)
     running: RunningRequests = request.app.state.running
-    running.add(handle)
     try:
         first = await _event_unless_disconnected(request, events)
     except BaseException:
@@ -250,6 +235,29 @@ async def answer(request: Request, body: Any, start: StartRequest, stream: bool,
     if not stream:
         return _json(first.data)
     return EventStream(writer(first, events), events, handle, media_type, on_close=running.discard)
+
+
+async def _start(connection: HTTPConnection, body: Any, start: StartRequest,
+                 tokens: bool = True) -> tuple[api.Request, StreamEvents]:
+    """Lease the body's model and start the request on the engine, counted among the running ones: its
+    handle, and its events as they arrive (token events only when ``tokens``). The lease ends with the request."""
+    lease = await _lease(connection, body)
+    loop = asyncio.get_running_loop()
+    events = StreamEvents(connection.app.state.stall_timeout)
+
+    def on_event(event: api.Event) -> None:   # called on the engine's thread
+        if tokens or event.kind != api.EVENT_TOKEN:
+            loop.call_soon_threadsafe(events.put, event)
+
+    # lse_request renders and tokenizes the prompt: work for a thread, not the event loop
+    try:
+        handle = await run_in_threadpool(start, lease.lse, body, lease.until_end(on_event))
+    except BaseException:
+        lease.release()
+        raise
+    events.handle = handle
+    connection.app.state.running.add(handle)
+    return handle, events
 
 
 class StreamEvents:
@@ -455,18 +463,8 @@ async def _socket_response(websocket: WebSocket, message: str, closed: asyncio.E
     if len(message.encode()) > limit:
         raise _too_large(limit)
     body = responses_api.websocket_body(message)
-    lease = await _lease(websocket, body)
-    loop = asyncio.get_running_loop()
-    events = StreamEvents(websocket.app.state.stall_timeout)
-    try:
-        handle = await run_in_threadpool(api.lse_api_request, lease.lse, body, lease.until_end(
-            lambda event: loop.call_soon_threadsafe(events.put, event)), "responses")
-    except BaseException:
-        lease.release()
-        raise
-    events.handle = handle
+    handle, events = await _start(websocket, body, functools.partial(api.lse_api_request, api="responses"))
     running: RunningRequests = websocket.app.state.running
-    running.add(handle)
     try:
         with anyio.CancelScope() as stalled:
             events.on_stall = stalled.cancel   # a client that reads nothing: stop sending, and close
@@ -636,7 +634,7 @@ def _models(request: Request) -> ModelSet:
     return request.app.state.models
 
 
-async def _lease(request: Request, body: Any) -> Lease:
+async def _lease(request: HTTPConnection, body: Any) -> Lease:
     """The model the body names, leased for this request: the one place a request's model is resolved. It
     waits while the model opens; a client that leaves meanwhile gives the lease back once it is granted."""
     future = _models(request).lease(requested_model(body))

@@ -3,7 +3,7 @@ moe_combine): the float32 reference the other devices' expert kernels are tested
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -48,6 +48,14 @@ def route_ids(routes: np.ndarray, k: int) -> np.ndarray:
     return routes[:, :k].astype(np.intp)
 
 
+def routed_groups(ids: np.ndarray, k: int) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """(expert, rows, slots) for each expert chosen in ``ids`` [n, k]: the (row, slot) pairs routed to it."""
+    pairs = np.argsort(ids, axis=None, kind="stable")   # (row, slot) pairs grouped by expert
+    experts, starts = np.unique(ids.reshape(-1)[pairs], return_index=True)
+    for e, start, end in zip(experts.tolist(), starts.tolist(), [*starts[1:].tolist(), len(pairs)]):
+        yield (e, *np.divmod(pairs[start:end], k))
+
+
 def expert_linear(node: Node, params: list[np.ndarray], ctx: CompileContext) -> NodeKernel:
     """Each chosen expert's matrix meets the (row, slot) pairs routed to it as one product (a prefill's
     rows grouped by expert; a decode row's k experts one GEMV each); with ``ctx.deterministic``, one GEMV
@@ -69,10 +77,7 @@ def expert_linear(node: Node, params: list[np.ndarray], ctx: CompileContext) -> 
                 for j in range(k):
                     np.matmul(x3[t, min(j, x3.shape[1] - 1)], weight[ids[t, j]].T, out=out[t, j])
         else:
-            pairs = np.argsort(ids, axis=None, kind="stable")   # (row, slot) pairs grouped by expert
-            experts, starts = np.unique(ids.reshape(-1)[pairs], return_index=True)
-            for e, start, end in zip(experts.tolist(), starts.tolist(), [*starts[1:].tolist(), len(pairs)]):
-                rows, slots = np.divmod(pairs[start:end], k)
+            for e, rows, slots in routed_groups(ids, k):
                 out[rows, slots] = x3[rows, np.minimum(slots, x3.shape[1] - 1)] @ weight[e].T
         if bias is not None:
             out += bias[ids]

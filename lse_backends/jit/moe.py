@@ -69,10 +69,7 @@ def _quantized_experts(node: Node, weight: tuple[int, np.ndarray], shape: tuple[
         # [n, k, in] per-slot inputs, or [n, 1, in] when every slot reads the row itself
         x3 = x.reshape(n, k, in_width) if x.shape[1] == k * in_width else x.reshape(n, 1, in_width)
         ids = reference.route_ids(routes, k)
-        pairs = np.argsort(ids, axis=None, kind="stable")   # (row, slot) pairs grouped by expert
-        chosen, starts = np.unique(ids.reshape(-1)[pairs], return_index=True)
-        for e, start, end in zip(chosen.tolist(), starts.tolist(), [*starts[1:].tolist(), len(pairs)]):
-            rows, slots = np.divmod(pairs[start:end], k)
+        for e, rows, slots in reference.routed_groups(ids, k):
             routed = x3[rows, np.minimum(slots, x3.shape[1] - 1)]
             products = np.empty((len(rows), width), np.float32)
             scratch = quant.activation_scratch(len(rows), in_width)
